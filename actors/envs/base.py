@@ -1,0 +1,181 @@
+"""The one environment interface, the abstract textual state and the action format.
+
+Owns the contract that real environments (TextWorld, MiniWoB++) and the synthetic
+one (simulator/synthetic_env.py) share, so a policy and the sim-to-real switch never
+see which is which:
+
+- `reset(task) -> (state, info)` and `step(action) -> StepResult(state, reward, done, info)`;
+  text in, text out; outcome reward (1.0 on success at the final step, else 0.0).
+- `info["candidates"]` lists the actions the policy may choose from (TextWorld's
+  admissible commands; click/type actions for a page's elements); `info["valid"]`
+  says whether the last action was accepted; `info["won"]` marks success.
+- An invalid action never raises: the returned state says it was invalid.
+
+The abstract state (paper §4.1) is a short description followed by numbered
+actionable items, one per line:
+
+    Goal: put the apple in the fridge
+    Room: Kitchen. You see a fridge and a counter.
+    Inventory: nothing
+    Actions:
+    [1] open fridge
+    [2] take apple from counter
+
+For web pages the items are elements: `[7] input_text #username`, `[11] button 'Login'`.
+Actions are one parseable format everywhere: `click [11]`, `type [7] "kenda"`, or,
+for command-style environments, the command text itself or `[n]` for item n.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from infra.schema import Task
+
+ITEM_RE = re.compile(r"^\[(\d+)\]\s+(.+?)\s*$")
+ACTIONS_HEADER = "Actions:"
+INVALID_PREFIX = "Invalid action"
+
+# Web element tags that take typed text rather than a click.
+TYPEABLE_TAGS = ("input_text", "input_password", "textarea", "input_email", "input_search", "input_number")
+
+
+class StateFormatError(ValueError):
+    """Text that is not an abstract state (no numbered actionable items)."""
+
+
+class ActionFormatError(ValueError):
+    """Text that is not an action in the uniform format."""
+
+
+@dataclass
+class AbstractState:
+    description: str
+    items: list[tuple[int, str]] = field(default_factory=list)
+
+    def render(self) -> str:
+        lines = [self.description.rstrip(), ACTIONS_HEADER] if self.description.strip() else [ACTIONS_HEADER]
+        lines += [f"[{i}] {text}" for i, text in self.items]
+        return "\n".join(lines)
+
+    def item(self, ref: int) -> str | None:
+        for i, text in self.items:
+            if i == ref:
+                return text
+        return None
+
+    @classmethod
+    def parse(cls, text: str) -> "AbstractState":
+        """Strict parse: the description is every non-item line; at least one item is required."""
+        if not isinstance(text, str):
+            raise StateFormatError(f"state must be text, got {type(text).__name__}")
+        desc, items, seen = [], [], set()
+        for line in text.strip().splitlines():
+            m = ITEM_RE.match(line.strip())
+            if m:
+                ref = int(m.group(1))
+                if ref in seen:
+                    raise StateFormatError(f"item [{ref}] appears twice")
+                seen.add(ref)
+                items.append((ref, m.group(2)))
+            elif line.strip() != ACTIONS_HEADER:
+                desc.append(line.rstrip())
+        if not items:
+            raise StateFormatError("no numbered actionable items like '[1] open door'")
+        return cls("\n".join(desc).strip(), items)
+
+
+def validate_state(text: str) -> AbstractState:
+    """Raise StateFormatError unless `text` is a well-formed abstract state."""
+    return AbstractState.parse(text)
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "click", "type", "choose" (item n of a command list) or "command"
+    ref: int | None = None
+    text: str = ""
+
+    def render(self) -> str:
+        if self.kind == "click":
+            return f"click [{self.ref}]"
+        if self.kind == "type":
+            return f'type [{self.ref}] "{self.text}"'
+        if self.kind == "choose":
+            return f"[{self.ref}]"
+        return self.text
+
+
+_CLICK = re.compile(r"^click\s*\[(\d+)\]$", re.I)
+_TYPE = re.compile(r'^type\s*\[(\d+)\]\s*"(.*)"$', re.I | re.S)
+_CHOOSE = re.compile(r"^\[?(\d+)\]?$")
+
+
+def parse_action(text: str) -> Action:
+    """Parse the uniform action format; anything else is a free command."""
+    if not isinstance(text, str) or not text.strip():
+        raise ActionFormatError("empty action")
+    t = text.strip()
+    if m := _CLICK.match(t):
+        return Action("click", int(m.group(1)))
+    if m := _TYPE.match(t):
+        return Action("type", int(m.group(1)), m.group(2))
+    if m := _CHOOSE.match(t):
+        return Action("choose", int(m.group(1)))
+    if t.lower().startswith(("click", "type")):
+        raise ActionFormatError(f"malformed web action {t!r}; expected click [n] or type [n] \"text\"")
+    return Action("command", None, t)
+
+
+def candidate_actions(state: AbstractState, type_values: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The actions a policy may choose from in `state`.
+
+    Command-style items (TextWorld) are their own actions. Web elements become
+    `click [n]`, or `type [n] "v"` for each value in `type_values` (the task's fields).
+    """
+    out: list[str] = []
+    for ref, text in state.items:
+        tag = text.split()[0] if text.split() else ""
+        if tag in TYPEABLE_TAGS:
+            out += [Action("type", ref, v).render() for v in type_values]
+        elif _is_web_element(tag):
+            out.append(Action("click", ref).render())
+        else:
+            out.append(text)
+    return out
+
+
+_WEB_TAGS = {"button", "link", "a", "input_checkbox", "input_radio", "checkbox", "radio", "span", "div", "label",
+             "option", "select", "li", "td", "tab", "img", "p", "h1", "h2", "h3", "input_submit", "input_button", "t"}
+
+
+def _is_web_element(tag: str) -> bool:
+    return tag in _WEB_TAGS or tag in TYPEABLE_TAGS
+
+
+def invalid_observation(state: str, action: str, reason: str) -> str:
+    """The state returned for an invalid action: the unchanged state with a first line saying why."""
+    return f"{INVALID_PREFIX} {action!r}: {reason}\n{state}"
+
+
+class StepResult(NamedTuple):
+    state: str
+    reward: float
+    done: bool
+    info: dict[str, Any]
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Text in, text out. Real and synthetic environments both implement this."""
+
+    async def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        """Start `task`; returns the initial abstract state and info (with "candidates")."""
+
+    async def step(self, action: str) -> StepResult:
+        """Apply one action in the uniform format; never raises on a bad action."""
+
+    async def close(self) -> None:
+        """Release processes (browsers, game interpreters)."""

@@ -1,0 +1,104 @@
+"""The `dreamgym` command line.
+
+Owns argument parsing and dispatch only. Each subcommand lives in the module that
+owns its concept and exposes `add_arguments(parser)` and `run(args) -> int`; this
+file maps names to modules and imports a module only when its command runs, so
+`dreamgym --help` stays fast. Commands that take a config accept a YAML preset and
+`section.key=value` overrides (`dreamgym train configs/quickstart.yaml learner.lr=1e-5`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# name -> (module, one-line help). The module's docstring is the long help.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("infra.driver", "Run the whole loop: data, Mexp, GRPO/PPO in DreamGym, held-out real evaluation."),
+    "status": ("infra.status", "Report Redis reachability, stream lengths, pending entries and dead letters."),
+    "serve": ("infra.engine_server", "Serve a model with the embedded engine (SGLang's HTTP API on CPU)."),
+    "generate": ("infra.generate", "Send one generation request to any SGLang-compatible endpoint."),
+    "collect": ("actors.collect", "Collect offline trajectories from real environments (expert, noisy, random)."),
+    "eval": ("actors.evaluate", "Evaluate a policy on held-out real tasks: success with 95% CI, steps, invalid rate."),
+    "train-mexp": ("learner.mexp_sft", "Fine-tune the experience model on offline data (paper Eq. 5)."),
+    "fidelity": ("simulator.fidelity", "Replay held-out real trajectories through Mexp: reward/done accuracy, state agreement."),
+    "scale": ("infra.scale", "Add or remove rollout workers of a running training job."),
+    "tasks": ("simulator.task_pool", "List the curriculum's task pool with statistics and lineage."),
+}
+
+
+def add_config_arguments(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    """The shared `[config] [section.key=value ...]` arguments."""
+    p.add_argument("config", nargs="?", default=default, help="YAML preset in configs/ (default: %(default)s)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override any setting, e.g. learner.lr=1e-5 actors.num_workers=4")
+
+
+def config_from_args(args: argparse.Namespace):
+    """Load the config named by add_config_arguments; a `key=value` in the config slot is an override."""
+    from infra.config import load_config
+
+    path, overrides = args.config, list(args.overrides or [])
+    if path and "=" in path and not path.endswith((".yaml", ".yml")):
+        overrides.insert(0, path)
+        path = None
+    return load_config(path, overrides)
+
+
+def setup_logging(verbose: bool = False) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
+                        datefmt="%H:%M:%S", handlers=[RichHandler(rich_tracebacks=True, show_path=False)])
+    for noisy in ("httpx", "urllib3", "filelock", "asyncio", "selenium", "transformers", "sentence_transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dreamgym",
+        description="DreamGym: train LLM agents with RL on synthesized experience.",
+        epilog="Run `dreamgym <command> --help` for a command's options; `dreamgym train --help` lists every setting.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    for name, (_module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # Parse the command name first; only that command's module is imported.
+    top, rest = parser.parse_known_args(argv)
+    if not top.command:
+        parser.print_help()
+        return 0 if not argv else 2
+    module_name, help_text = COMMANDS[top.command]
+    module = importlib.import_module(module_name)
+    sub = argparse.ArgumentParser(prog=f"dreamgym {top.command}", description=(module.__doc__ or help_text).strip(),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(sub)
+    args = sub.parse_args(rest)
+    setup_logging(top.verbose)
+    from infra.config import ConfigError
+
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as exc:
+        print(f"dreamgym {top.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dreamgym {top.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

