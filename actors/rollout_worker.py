@@ -1,0 +1,286 @@
+"""The rollout worker: takes tasks off the task stream, plays GRPO groups, pushes trajectories.
+
+Owns the episode logic and its delivery guarantees, nothing about Ray (a thin actor in
+infra/cluster/worker_actor.py wraps it) and nothing about which environment it plays:
+
+- a task is read from the task stream through the `workers` consumer group;
+- its group of G rollouts runs concurrently in fresh environments (synthetic by
+  default, a real one for the RL baseline and S2R), at most `concurrent_episodes`
+  episodes at once across the worker so the engines see batches;
+- every action comes from the policy with its log-probs and weight version;
+- the finished group is pushed to the trajectory stream in one MULTI/EXEC together
+  with a "group done" marker keyed by the task's stream entry id, then the task's
+  reward statistics are recorded, synthetic transitions are written back into the
+  replay buffer, and only then is the task acked. A worker that dies mid-group leaves
+  the task pending; another worker reclaims it (XAUTOCLAIM) and re-runs it; a task
+  whose group was already pushed is only acked, so no group is pushed twice;
+- while a group runs, its entry's idle time is refreshed (a lease), so a slow but
+  live worker is not robbed by XAUTOCLAIM;
+- `stop(drain=True)` finishes in-flight groups; `stop(drain=False)` cancels them and
+  hands their tasks back (idle time set high, so the next XAUTOCLAIM takes them).
+
+Departure from the paper: none in substance; the paper does not describe its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+from typing import Any, Callable, Protocol
+
+import redis.asyncio as aioredis
+
+from actors.envs.base import Environment
+from infra import metrics
+from infra.config import ActorsConfig
+from infra.schema import EnvKind, Status, Step, Task, Trajectory, decode_as, encode, new_id
+from infra.streams import DATA_FIELD, StreamConsumer, key, tasks_stream, trajectories_stream, with_retry
+from infra.task_stats import TaskStatsStore
+
+log = logging.getLogger(__name__)
+
+WORKER_GROUP = "workers"
+HANDBACK_CONSUMER = "handed-back"
+GROUP_DONE_TTL_S = 7 * 24 * 3600
+
+
+class Policy(Protocol):
+    """What the worker needs of actors/policy.py's ChoicePolicy."""
+
+    async def act(self, task: Task, state: str, candidates: list[str], history: list, affinity_key: str) -> Any:
+        """A decision with .action, .prompt, .action_token_ids, .logprobs, .choice_token_ids, .weight_version."""
+
+
+class TransitionSink(Protocol):
+    """The replay buffer as the worker sees it (simulator/replay_buffer.py)."""
+
+    def add(self, transitions: list) -> Any: ...
+
+
+EnvFactory = Callable[[], Environment]
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if inspect.isawaitable(x) else x
+
+
+def _is_mexp_rejection(exc: BaseException) -> bool:
+    return type(exc).__name__ == "MexpRejected"
+
+
+class RolloutWorker:
+    """Plain async episode logic; `run()` until `stop()`."""
+
+    def __init__(self, worker_id: str, client: aioredis.Redis, prefix: str, policy: Policy, env_factory: EnvFactory,
+                 cfg: ActorsConfig, buffer: TransitionSink | None = None, stats: TaskStatsStore | None = None,
+                 env_kind: EnvKind | str | None = None, reclaim_idle_ms: int = 30_000, maxlen: int = 100_000):
+        self.worker_id, self.client, self.prefix = worker_id, client, prefix
+        self.policy, self.env_factory, self.cfg, self.buffer = policy, env_factory, cfg, buffer
+        self.stats = stats or TaskStatsStore(client, prefix)
+        self.env_kind = EnvKind(env_kind or cfg.env_kind)
+        self.reclaim_idle_ms, self.maxlen = reclaim_idle_ms, maxlen
+        self.task_stream, self.traj_stream = tasks_stream(prefix), trajectories_stream(prefix)
+        # A fresh consumer name per incarnation: a restarted worker's old entries are
+        # reclaimed like any dead consumer's, never re-read as "own pending" mid-flight.
+        self.consumer = StreamConsumer(client, self.task_stream, WORKER_GROUP, f"{worker_id}-{new_id()[:6]}",
+                                       lambda b: decode_as(b, Task), reclaim_idle_ms=reclaim_idle_ms, reclaim_every=3)
+        self._episode_slots = asyncio.Semaphore(cfg.concurrent_episodes)
+        self._read_lock = asyncio.Lock()
+        self._inflight: dict[bytes, asyncio.Task] = {}
+        self._stopping = asyncio.Event()
+        self._drain = True
+        self.groups_done = 0
+        self.trajectories_pushed = 0
+        self.episodes_done = 0
+
+    # ----- the loop -----
+    async def run(self, max_groups: int | None = None) -> None:
+        """Serve tasks until stop() (or `max_groups` groups are done)."""
+        await self.consumer.ensure_group()
+        metrics.ROLLOUT_WORKERS.inc()
+        # Enough task loops that G-sized groups fill `concurrent_episodes` slots.
+        n_loops = max(1, math.ceil(self.cfg.concurrent_episodes / self.cfg.group_size))
+        lease = asyncio.create_task(self._renew_leases())
+        try:
+            await asyncio.gather(*(self._task_loop(max_groups) for _ in range(n_loops)))
+        finally:
+            lease.cancel()
+            metrics.ROLLOUT_WORKERS.dec()
+
+    async def _task_loop(self, max_groups: int | None) -> None:
+        while not self._stopping.is_set() and (max_groups is None or self.groups_done < max_groups):
+            async with self._read_lock:
+                if self._stopping.is_set():
+                    return
+                deliveries = [d for d in await self.consumer.read(count=1, block_ms=200) if d.entry_id not in self._inflight]
+                if not deliveries:
+                    continue
+                d = deliveries[0]
+                job = asyncio.create_task(self._serve(d.entry_id, d.message))
+                self._inflight[d.entry_id] = job
+            try:
+                await asyncio.shield(job)
+            except asyncio.CancelledError:
+                if not job.done():
+                    raise
+            finally:
+                self._inflight.pop(d.entry_id, None)
+
+    async def _serve(self, entry_id: bytes, task: Task) -> None:
+        done_key = key(self.prefix, f"groupdone:{entry_id.decode()}")
+        if await with_retry(lambda: self.client.exists(done_key), "group-done check"):
+            await self.consumer.ack([entry_id])  # pushed by a worker that died before acking
+            return
+        trajs = await self.run_group(task, group_id=f"{task.task_id}:{entry_id.decode()}")
+        await self._push(trajs, done_key)
+        await self.stats.record_group(task.task_id, [t.total_reward for t in trajs])
+        if self.buffer is not None and self.env_kind == EnvKind.SYNTHETIC:
+            await self._write_back(trajs)
+        await self.consumer.ack([entry_id])
+        self.groups_done += 1
+
+    async def _push(self, trajs: list[Trajectory], done_key: str) -> None:
+        payloads = [encode(t) for t in trajs]
+
+        async def op() -> Any:
+            pipe = self.client.pipeline(transaction=True)
+            for p in payloads:
+                pipe.xadd(self.traj_stream, {DATA_FIELD: p}, maxlen=self.maxlen, approximate=True)
+            pipe.set(done_key, self.worker_id, ex=GROUP_DONE_TTL_S)
+            return await pipe.execute()
+
+        await with_retry(op, f"XADD {self.traj_stream}")
+        metrics.STREAM_MESSAGES_ADDED.labels(self.traj_stream).inc(len(payloads))
+        metrics.STREAM_BYTES_ADDED.labels(self.traj_stream).inc(sum(map(len, payloads)))
+        self.trajectories_pushed += len(payloads)
+
+    async def _renew_leases(self) -> None:
+        """Keep in-flight task entries fresh so XAUTOCLAIM leaves a live worker's tasks alone."""
+        period = max(0.05, self.reclaim_idle_ms / 3000)
+        while True:
+            await asyncio.sleep(period)
+            ids = list(self._inflight)
+            if ids:
+                try:
+                    await self.client.xclaim(self.task_stream, WORKER_GROUP, self.consumer.consumer, 0, ids, justid=True)
+                except Exception as exc:  # a missed renewal only risks a duplicate run, never a loss
+                    log.warning("lease renewal failed: %s", exc)
+
+    # ----- one group, one episode -----
+    async def run_group(self, task: Task, group_id: str | None = None) -> list[Trajectory]:
+        group_id = group_id or new_id()
+        return list(await asyncio.gather(*(self._slot_episode(task, group_id) for _ in range(self.cfg.group_size))))
+
+    async def _slot_episode(self, task: Task, group_id: str) -> Trajectory:
+        async with self._episode_slots:
+            return await self.run_episode(task, group_id)
+
+    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
+        env = self.env_factory()
+        traj = Trajectory(task_id=task.task_id, group_id=group_id, env_kind=self.env_kind, worker_id=self.worker_id,
+                          task=task)
+        t0, t_policy, t_env = time.monotonic(), 0.0, 0.0
+        versions: list[int] = []
+        kind = self.env_kind.value
+        metrics.ROLLOUT_INFLIGHT_EPISODES.inc()
+        try:
+            t = time.monotonic()
+            state, info = await env.reset(task)
+            t_env += time.monotonic() - t
+            traj.status = Status.TRUNCATED
+            for _ in range(self.cfg.max_steps):
+                candidates = list(info.get("candidates") or [])
+                if not candidates:
+                    traj.status = Status.FAILURE
+                    break
+                t = time.monotonic()
+                dec = await self.policy.act(task, state, candidates, traj.steps, traj.trajectory_id)
+                t_policy += time.monotonic() - t
+                versions.append(int(dec.weight_version))
+                t = time.monotonic()
+                res = await env.step(dec.action)
+                t_env += time.monotonic() - t
+                valid = bool(res.info.get("valid", True))
+                traj.steps.append(Step(
+                    state=state, action=dec.action, reward=float(res.reward), done=bool(res.done),
+                    next_state=res.state, reasoning=str(res.info.get("reasoning", "")),
+                    reasoning_source=str(res.info.get("reasoning_source", "mexp" if kind == "synthetic" else "")),
+                    valid=valid, policy_prompt=dec.prompt, action_token_ids=list(dec.action_token_ids),
+                    logprobs=[float(x) for x in dec.logprobs], loss_mask=[1] * len(dec.action_token_ids),
+                    choice_token_ids=list(dec.choice_token_ids)))
+                metrics.ROLLOUT_STEPS.labels(kind).inc()
+                if not valid:
+                    metrics.ROLLOUT_INVALID_ACTIONS.labels(kind).inc()
+                state, info = res.state, res.info
+                if res.done:
+                    won = bool(info.get("won", res.reward > 0))
+                    traj.status, traj.success = (Status.SUCCESS, True) if won else (Status.FAILURE, False)
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if _is_mexp_rejection(exc):
+                traj.status = Status.SIM_ERROR
+            elif self.env_kind == EnvKind.REAL:
+                traj.status = Status.ENV_ERROR
+                metrics.ENV_ERRORS.labels(task.family or "unknown").inc()
+            else:
+                raise
+            log.warning("episode of %s ended early: %s: %s", task.task_id, type(exc).__name__, exc)
+        finally:
+            metrics.ROLLOUT_INFLIGHT_EPISODES.dec()
+            try:
+                await _maybe_await(env.close())
+            except Exception as exc:  # a failing close must not lose the episode
+                log.warning("env close failed: %s", exc)
+        # The oldest weights that acted in the episode bound its staleness.
+        traj.policy_version = min(versions) if versions else 0
+        traj.timings = {"policy": t_policy, "env": t_env, "total": time.monotonic() - t0}
+        metrics.ROLLOUT_EPISODES.labels(kind, traj.status.value).inc()
+        metrics.ROLLOUT_EPISODE_SECONDS.labels(kind).observe(traj.timings["total"])
+        self.episodes_done += 1
+        return traj
+
+    async def _write_back(self, trajs: list[Trajectory]) -> None:
+        from simulator.replay_buffer import Transition
+
+        transitions = [Transition(task_id=t.task_id, instruction=t.task.instruction if t.task else "", state=s.state,
+                                  action=s.action, reasoning=s.reasoning, next_state=s.next_state, reward=s.reward,
+                                  done=s.done, source="synthetic", episode_id=t.trajectory_id,
+                                  policy_version=t.policy_version)
+                       for t in trajs if t.status != Status.SIM_ERROR for s in t.steps]
+        if transitions:
+            try:
+                await _maybe_await(self.buffer.add(transitions))  # type: ignore[union-attr]
+            except Exception as exc:  # the buffer growing is a bonus; the group is already pushed
+                log.warning("replay-buffer write-back failed: %s", exc)
+
+    # ----- shutdown -----
+    async def stop(self, drain: bool = True, timeout_s: float = 600.0) -> None:
+        """Stop taking tasks; finish in-flight groups (drain) or cancel them and hand their tasks back."""
+        self._stopping.set()
+        jobs = dict(self._inflight)
+        if drain:
+            if jobs:
+                await asyncio.wait(list(jobs.values()), timeout=timeout_s)
+            return
+        for job in jobs.values():
+            job.cancel()
+        await asyncio.gather(*jobs.values(), return_exceptions=True)
+        await self.hand_back(list(jobs))
+
+    async def hand_back(self, entry_ids: list[bytes]) -> None:
+        """Give unacked tasks to a parking consumer with a huge idle time, so the next XAUTOCLAIM takes them."""
+        if not entry_ids:
+            return
+        await with_retry(lambda: self.client.xclaim(self.task_stream, WORKER_GROUP, HANDBACK_CONSUMER, 0, entry_ids,
+                                                     idle=10 ** 9, justid=True), "hand back tasks")
+        log.info("%s handed %d task(s) back", self.worker_id, len(entry_ids))
+
+    def status(self) -> dict:
+        return {"worker_id": self.worker_id, "groups_done": self.groups_done, "episodes_done": self.episodes_done,
+                "trajectories_pushed": self.trajectories_pushed, "inflight": len(self._inflight),
+                "stopping": self._stopping.is_set()}
