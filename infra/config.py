@@ -111,6 +111,10 @@ class SimulatorConfig:
     max_new_tokens: int = _f(200, "Cap on Mexp output tokens per step.", POSITIVE)
     checkpoint: str = _f("", "Mexp weights directory (from `dreamgym train-mexp`); empty = the base model.")
     write_back: bool = _f(True, "Write synthetic transitions back into the buffer online.")
+    hnsw_m: int = _f(16, "Qdrant Edge HNSW: edges per node (m).", POSITIVE)
+    hnsw_ef_construct: int = _f(100, "Qdrant Edge HNSW: ef_construct at index build.", POSITIVE)
+    hnsw_ef: int = _f(64, "Qdrant Edge HNSW: ef at query time (higher = better recall, slower).", POSITIVE)
+    state_chars: int = _f(600, "Most characters of a retrieved/history state shown in a Mexp prompt (keeps prompts short).", POSITIVE)
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""The experience model Mexp: one synthetic transition per call, grounded on retrieval.
+
+Owns the step of the synthetic environment (paper §4.1, Eq. 4): retrieve the top-k
+most similar real/synthetic transitions (excluding the current episode), build the
+prompt (simulator/prompts.py), sample from the Mexp engine through the engine
+client, and parse the reply strictly (simulator/mexp_output.py). An unparseable
+reply is re-sampled up to `cfg.parse_retries` times; after that the step raises
+`MexpRejected`, which propagates through the synthetic environment to the rollout
+worker (episode status `sim_error`). Writing synthetic transitions back into the
+buffer is the rollout worker's job, once per finished group, with the policy
+version (actors/rollout_worker.py; `cfg.write_back` decides whether it gets the
+buffer), so this module only reads the buffer.
+
+The buffer may be a local object or a remote proxy whose methods return
+awaitables (the buffer actor); both are accepted. Switches for the paper's
+ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from typing import Any, Sequence
+
+from infra import metrics
+from infra.config import SimulatorConfig
+from infra.schema import Task
+from simulator import prompts
+from simulator.mexp_output import MexpOutput, MexpParseError, parse_mexp_output, parse_state_only
+from simulator.replay_buffer import Transition
+
+log = logging.getLogger(__name__)
+
+
+class MexpRejected(RuntimeError):
+    """Mexp produced no parseable output within the retry budget."""
+
+    def __init__(self, reasons: list[str], last_text: str) -> None:
+        super().__init__(f"Mexp output rejected after {len(reasons)} attempts: {', '.join(reasons)}")
+        self.reasons = reasons
+        self.last_text = last_text
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class ExperienceModel:
+    def __init__(self, client: Any, buffer: Any, cfg: SimulatorConfig, tokenizer: Any) -> None:
+        self.client = client
+        self.buffer = buffer
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.attempts = 0
+        self.parse_failures = 0
+
+    async def retrieve(self, state: str, action: str, episode_id: str) -> list[Transition]:
+        if not self.cfg.retrieval or self.buffer is None or self.cfg.top_k <= 0:
+            return []
+        res = await _maybe_await(self.buffer.query([(state, action)], self.cfg.top_k, [episode_id] if episode_id else None))
+        return list(res[0]) if res else []
+
+    def prompt(self, task: Task, history: Sequence[Any], retrieved: Sequence[Transition], state: str,
+               action: str) -> str:
+        msgs = prompts.step_messages(task, history, retrieved, state, action, reasoning=self.cfg.reasoning,
+                                     history_window=self.cfg.history_window, state_chars=self.cfg.state_chars)
+        return prompts.render(self.tokenizer, msgs, prompts.prefill(self.cfg.reasoning))
+
+    async def step(self, task: Task, history: Sequence[Any], state: str, action: str,
+                   episode_id: str) -> MexpOutput:
+        """The next state, reward and done for `action` in `state`; raises MexpRejected."""
+        retrieved = await self.retrieve(state, action, episode_id)
+        prompt = self.prompt(task, history, retrieved, state, action)
+        head = prompts.prefill(self.cfg.reasoning)
+        out = await self._sample(prompt, head, parse_mexp_output, episode_id)
+        metrics.SIMULATOR_STEPS.inc()
+        return out
+
+    async def initial_state(self, task: Task) -> str:
+        """The task's real initial state if it has one; otherwise Mexp invents it."""
+        if task.initial_state.strip():
+            return task.initial_state
+        prompt = prompts.render(self.tokenizer, prompts.initial_messages(task), "<state>")
+        return await self._sample(prompt, "<state>", parse_state_only, task.task_id, stop="</state>")
+
+    async def _sample(self, prompt: str, head: str, parse, affinity: str, stop: str = "</done>"):
+        reasons: list[str] = []
+        text = ""
+        for _ in range(1 + self.cfg.parse_retries):
+            self.attempts += 1
+            res = await self.client.generate(prompt, sampling_params={
+                "max_new_tokens": self.cfg.max_new_tokens, "temperature": self.cfg.temperature,
+                "stop": [stop]}, affinity_key=affinity or None)
+            text = (head + res.text).rstrip()
+            # The engine strips the matched stop string; put it back unless the reply was cut by length.
+            if not text.endswith(stop) and str(res.finish_reason) != "length":
+                text += stop
+            try:
+                return parse(text)
+            except MexpParseError as exc:
+                self.parse_failures += 1
+                reasons.append(exc.reason)
+                metrics.SIMULATOR_PARSE_FAILURES.labels(reason=exc.reason).inc()
+                log.debug("Mexp parse failure (%s): %r", exc, text[-200:])
+        metrics.SIMULATOR_REJECTED_STEPS.inc()
+        raise MexpRejected(reasons, text)
+
+
+async def gather_steps(mexp: ExperienceModel, requests: Sequence[tuple]) -> list[MexpOutput | MexpRejected]:
+    """Run many `step` calls concurrently (so the engine batches them); rejections are returned, not raised."""
+    async def one(req):
+        try:
+            return await mexp.step(*req)
+        except MexpRejected as exc:
+            return exc
+    return list(await asyncio.gather(*(one(r) for r in requests)))

@@ -1,0 +1,127 @@
+"""The strict parser of Mexp's tagged output.
+
+Owns the target format the experience model writes and the rules for reading it:
+
+    <think>reasoning</think>
+    <state>abstract state with numbered items</state>
+    <reward>0 or 1</reward>
+    <done>true or false</done>
+
+The think block is optional (the w/o-reasoning ablation omits it). Everything else
+is exact: the text, stripped, must start with `<think>` or `<state>` and end with
+`</done>`; nothing may sit between the blocks but whitespace.
+
+Observation text may itself contain tag-like strings (a note reading "<state>",
+a web page with "</done>"). The parser therefore reads the tightly-formatted tail
+first, anchored at the end: `<reward>NUMBER</reward> <done>BOOL</done>`, which
+cannot contain free text; the state is what lies between the first
+`</think><state>` boundary (or the leading `<state>`) and the `</state>` just before
+`<reward>`. So a state may contain any tags at all; only the reasoning may not
+contain the exact boundary `</think>` + `<state>`.
+
+Every failure is a `MexpParseError` with a short `reason` (used as the metric
+label): "not_text", "structure", "reward", "done", "state".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from actors.envs.base import StateFormatError, validate_state
+
+_TAIL = re.compile(r"</state>\s*<reward>\s*([^<>]*?)\s*</reward>\s*<done>\s*([^<>]*?)\s*</done>\s*\Z", re.S)
+_BOUNDARY = re.compile(r"</think>\s*<state>", re.S)
+_TRUE = {"true", "yes", "1"}
+_FALSE = {"false", "no", "0"}
+MAX_CHARS = 20_000
+
+
+class MexpParseError(ValueError):
+    """Mexp output not in the target format; `reason` names what was wrong."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass
+class MexpOutput:
+    reasoning: str
+    next_state: str
+    reward: float
+    done: bool
+
+
+def parse_mexp_output(text: str) -> MexpOutput:
+    """Parse one Mexp reply; raise MexpParseError (never anything else) if it is not exactly the format."""
+    if not isinstance(text, str):
+        raise MexpParseError("not_text", f"expected str, got {type(text).__name__}")
+    if len(text) > MAX_CHARS:
+        raise MexpParseError("structure", f"output longer than {MAX_CHARS} characters")
+    body = text.strip()
+    tail = _TAIL.search(body)
+    if tail is None:
+        raise MexpParseError("structure", "does not end with </state><reward>…</reward><done>…</done>")
+    head = body[:tail.start()]  # "<think>R</think><state>S" or "<state>S"
+    if head.startswith("<think>"):
+        boundary = _BOUNDARY.search(head)
+        if boundary is None:
+            raise MexpParseError("structure", "no </think><state> after the <think> block")
+        reasoning = head[len("<think>"):boundary.start()].strip()
+        state = head[boundary.end():]
+    elif head.startswith("<state>"):
+        reasoning, state = "", head[len("<state>"):]
+    else:
+        raise MexpParseError("structure", "must start with <think> or <state>")
+    reward = _parse_reward(tail.group(1))
+    done = _parse_done(tail.group(2))
+    state = state.strip()
+    try:
+        validate_state(state)
+    except StateFormatError as exc:
+        raise MexpParseError("state", str(exc)) from None
+    return MexpOutput(reasoning, state, reward, done)
+
+
+def parse_state_only(text: str) -> str:
+    """Parse `<state>…</state>` (Mexp's answer when asked for a task's initial state)."""
+    if not isinstance(text, str):
+        raise MexpParseError("not_text", f"expected str, got {type(text).__name__}")
+    body = text.strip()
+    if not (body.startswith("<state>") and body.endswith("</state>")):
+        raise MexpParseError("structure", "expected exactly <state>…</state>")
+    state = body[len("<state>"):-len("</state>")].strip()
+    try:
+        validate_state(state)
+    except StateFormatError as exc:
+        raise MexpParseError("state", str(exc)) from None
+    return state
+
+
+def _parse_reward(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise MexpParseError("reward", f"not a number: {raw[:40]!r}") from None
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise MexpParseError("reward", f"outside [0, 1]: {raw[:40]!r}")
+    return value
+
+
+def _parse_done(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise MexpParseError("done", f"not true/false: {raw[:40]!r}")
+
+
+def format_mexp_output(out: MexpOutput, with_reasoning: bool = True) -> str:
+    """The target text for `out` (what SFT trains on and what the parser accepts)."""
+    reward = "1" if out.reward >= 1.0 else ("0" if out.reward <= 0.0 else f"{out.reward:g}")
+    think = f"<think>{out.reasoning.strip()}</think>\n" if with_reasoning else ""
+    return (f"{think}<state>\n{out.next_state.strip()}\n</state>\n<reward>{reward}</reward>\n"
+            f"<done>{'true' if out.done else 'false'}</done>")

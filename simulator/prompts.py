@@ -1,0 +1,69 @@
+"""The experience model's prompt: what Mexp is conditioned on, in one place.
+
+Owns the chat messages for one Mexp step (paper §4.1, Eq. 4): the task instruction,
+a window of past actions, the top-k retrieved transitions, the current state and the
+action; and the prompt for inventing a task's initial state. Inference
+(simulator/experience_model.py) and SFT (learner/mexp_sft.py) both build prompts
+here, so the model is trained on exactly what it sees when serving.
+
+Departure from the paper: prompts are kept short for a 135M model on CPU (target
+under ~400 tokens). The history window shows past actions only (the current state
+already summarises their effect), and retrieved states are clipped to
+`state_chars` characters. The assistant turn is pre-filled with the first tag
+(`<think>` or `<state>`) so the model starts in format.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from infra.schema import Task
+from simulator.replay_buffer import Transition
+
+SYSTEM = ("You simulate a text environment. Given the task, the current state and an action, "
+          "write the next state as a short description followed by numbered actions like [1] open door. "
+          "Reply exactly in the format")
+FORMAT_REASONING = "<think>why</think><state>next state</state><reward>0 or 1</reward><done>true or false</done>"
+FORMAT_PLAIN = "<state>next state</state><reward>0 or 1</reward><done>true or false</done>"
+INITIAL_SYSTEM = ("You simulate a text environment. Write the initial state for the task: a short description "
+                  "followed by numbered actions like [1] open door. Reply exactly as <state>…</state>")
+
+
+def clip(text: str, n: int) -> str:
+    text = text.strip()
+    return text if len(text) <= n else text[:n].rstrip() + " …"
+
+
+def _example(t: Transition, state_chars: int) -> str:
+    return (f"State: {clip(t.state, state_chars)}\nAction: {t.action}\n"
+            f"Next: {clip(t.next_state, state_chars)}\nReward: {t.reward:g} Done: {str(bool(t.done)).lower()}")
+
+
+def step_messages(task: Task, history: Sequence[Any], retrieved: Sequence[Transition], state: str, action: str,
+                  *, reasoning: bool = True, history_window: int = 3, state_chars: int = 600) -> list[dict]:
+    """Chat messages for one step. `history` holds past steps (anything with `.action`, or action strings)."""
+    parts = [f"Task: {task.instruction.strip()}"]
+    if retrieved:
+        parts.append("Similar past transitions:\n" + "\n---\n".join(_example(t, state_chars) for t in retrieved))
+    past = [h if isinstance(h, str) else h.action for h in history][-history_window:] if history_window else []
+    if past:
+        parts.append("Previous actions: " + "; ".join(past))
+    parts.append(f"Current state:\n{state.strip()}")
+    parts.append(f"Action: {action.strip()}")
+    system = f"{SYSTEM} {FORMAT_REASONING if reasoning else FORMAT_PLAIN}"
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
+def prefill(reasoning: bool) -> str:
+    """The text the assistant turn starts with (part of the prompt, not generated)."""
+    return "<think>" if reasoning else "<state>"
+
+
+def initial_messages(task: Task) -> list[dict]:
+    return [{"role": "system", "content": INITIAL_SYSTEM}, {"role": "user", "content": f"Task: {task.instruction}"}]
+
+
+def render(tokenizer, messages: list[dict], assistant_prefix: str = "") -> str:
+    """Apply the chat template and append the assistant pre-fill."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + assistant_prefix
