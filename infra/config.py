@@ -156,6 +156,15 @@ class LearnerConfig:
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.", POSITIVE)
     sync: bool = _f(False, "Synchronous mode: roll out, then train, no overlap (for the async/sync comparison).")
     warm_start_steps: int = _f(0, "Supervised steps on expert transitions before RL (0 = none).", NON_NEGATIVE)
+    warm_start_lr: float = _f(1e-4, "Learning rate of the supervised warm start.", POSITIVE)
+    warm_start_batch: int = _f(8, "Expert transitions per supervised warm-start step.", POSITIVE)
+    micro_batch: int = _f(8, "Most policy prompts in one forward/backward pass (gradients accumulate across them).", POSITIVE)
+    aggregate: str = _f("sequence", "Loss averaging: 'sequence' (per trajectory, then over trajectories: GRPO) or 'token' (over all action tokens: DAPO).", _one_of("sequence", "token"))
+    group_timeout_s: float = _f(300.0, "Train on an incomplete GRPO group after waiting this long for its missing members.", POSITIVE)
+    is_cap: float = _f(2.0, "staleness_mode='importance': cap of the truncated importance weight.", POSITIVE)
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% slower).")
+    keep_checkpoints: int = _f(2, "Checkpoints kept on disk.", POSITIVE)
+    keep_weights: int = _f(2, "Published weight versions kept on disk.", POSITIVE)
 
 
 @dataclass
@@ -171,6 +180,11 @@ class CurriculumConfig:
     recent_groups: int = _f(4, "Group variances kept per task for V_tau.", POSITIVE)
     batch_size: int = _f(4, "Tasks pushed per batch.", POSITIVE)
     max_pool: int = _f(1000, "Most tasks in the pool.", POSITIVE)
+    min_weight: float = _f(0.1, "Sampling weight of a zero-variance task relative to the highest-variance one (keeps coverage).", UNIT)
+    max_children: int = _f(4, "Most variants generated from one parent task.", NON_NEGATIVE)
+    max_backlog: int = _f(8, "The scheduler pushes while fewer tasks than this wait undelivered on the task stream.", POSITIVE)
+    variant_temperature: float = _f(0.9, "Mtask sampling temperature.", NON_NEGATIVE)
+    variant_max_new_tokens: int = _f(48, "Cap on Mtask output tokens per variant.", POSITIVE)
 
 
 @dataclass
@@ -223,6 +237,11 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected a number")
     if typ is str:
         if isinstance(value, str):

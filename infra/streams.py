@@ -171,7 +171,7 @@ class StreamConsumer(Generic[T]):
                 self._own_pending_done = True
             entries += [(i, f, False) for i, f in own]
         self._reads += 1
-        if not entries and self._reads % self.reclaim_every == 1:
+        if not entries and (self._reads - 1) % self.reclaim_every == 0:
             entries += [(i, f, True) for i, f in await self.reclaim(count)]
         if not entries:
             resp = await self._call(lambda: self.client.xreadgroup(
