@@ -83,6 +83,26 @@ class TaskStatsStore:
 
         await with_retry(op, "record task stats")
 
+    async def put_many(self, stats: list[TaskStats]) -> None:
+        """Overwrite the records of these tasks with snapshots (restoring a checkpoint)."""
+        if not stats:
+            return
+
+        async def op() -> None:
+            pipe = self.client.pipeline(transaction=True)
+            for s in stats:
+                h, r = self._hash(s.task_id), self._recent(s.task_id)
+                pipe.delete(h, r)
+                pipe.hset(h, mapping={"n": s.n, "sum": repr(float(s.total)), "sumsq": repr(float(s.total_sq)),
+                                      "groups": s.groups})
+                recent = list(s.recent_group_variances)[: self.recent_groups]
+                if recent:
+                    pipe.rpush(r, *[repr(float(v)) for v in recent])
+                pipe.sadd(self.index_key, s.task_id)
+            await pipe.execute()
+
+        await with_retry(op, "restore task stats")
+
     async def get(self, task_id: str) -> TaskStats:
         return (await self.get_many([task_id]))[task_id]
 
