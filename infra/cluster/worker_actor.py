@@ -1,0 +1,96 @@
+"""The rollout worker as a Ray actor: a thin async wrapper, nothing else.
+
+The actor builds its own Redis client, policy and environments inside its process
+from factories (plain callables shipped by Ray when the actor is created), then runs
+actors/rollout_worker.RolloutWorker on the actor's event loop. `stop` and `status`
+calls arrive concurrently with `run` (an async actor). A killed actor simply
+vanishes: its unacked task is reclaimed by another worker (see rollout_worker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Callable
+
+import ray
+
+from actors.rollout_worker import RolloutWorker
+from infra.config import ActorsConfig
+from infra.streams import connect
+
+
+class _RayBufferAdapter:
+    """A buffer actor handle seen as the worker's TransitionSink."""
+
+    def __init__(self, handle: Any):
+        self.handle = handle
+
+    async def add(self, transitions: list) -> Any:
+        return await self.handle.add.remote(transitions)
+
+
+@ray.remote
+class RolloutWorkerActor:
+    def __init__(self, worker_id: str, redis_url: str, prefix: str, actors_cfg: dict,
+                 make_policy: Callable[[], Any], make_env: Callable[[], Any], buffer: Any = None,
+                 reclaim_idle_ms: int = 30_000):
+        self.args = (worker_id, redis_url, prefix, ActorsConfig(**actors_cfg), make_policy, make_env, buffer,
+                     reclaim_idle_ms)
+        self.worker: RolloutWorker | None = None
+        self._stop_requested: bool | None = None
+
+    async def run(self, max_groups: int | None = None) -> dict:
+        worker_id, url, prefix, cfg, make_policy, make_env, buffer, idle_ms = self.args
+        policy = make_policy()
+        if inspect.isawaitable(policy):
+            policy = await policy
+        sink = None if buffer is None else (_RayBufferAdapter(buffer) if hasattr(buffer, "add") and
+                                            hasattr(buffer.add, "remote") else buffer)
+        self.worker = RolloutWorker(worker_id, connect(url), prefix, policy, make_env, cfg, buffer=sink,
+                                    reclaim_idle_ms=idle_ms)
+        if self._stop_requested is not None:
+            return self.worker.status()
+        await self.worker.run(max_groups)
+        return self.worker.status()
+
+    async def stop(self, drain: bool = True) -> dict:
+        self._stop_requested = drain
+        while self.worker is None:
+            await asyncio.sleep(0.01)
+        await self.worker.stop(drain=drain)
+        return self.worker.status()
+
+    async def status(self) -> dict:
+        return self.worker.status() if self.worker else {"worker_id": self.args[0], "starting": True}
+
+
+class RayWorkerHandle:
+    """The driver's view of one worker actor (the WorkerHandle of infra/scale.py)."""
+
+    def __init__(self, worker_id: str, actor: Any, run_ref: Any):
+        self.worker_id, self.actor, self.run_ref = worker_id, actor, run_ref
+
+    @classmethod
+    def spawn(cls, worker_id: str, redis_url: str, prefix: str, actors_cfg: ActorsConfig,
+              make_policy: Callable[[], Any], make_env: Callable[[], Any], options: dict | None = None,
+              buffer: Any = None, reclaim_idle_ms: int = 30_000) -> "RayWorkerHandle":
+        import dataclasses
+
+        actor = RolloutWorkerActor.options(name=f"rollout-{worker_id}", **(options or {})).remote(
+            worker_id, redis_url, prefix, dataclasses.asdict(actors_cfg), make_policy, make_env, buffer,
+            reclaim_idle_ms)
+        return cls(worker_id, actor, actor.run.remote())
+
+    async def stop(self, drain: bool = True) -> dict:
+        status = await self.actor.stop.remote(drain)
+        await self.run_ref
+        ray.kill(self.actor)
+        return status
+
+    async def status(self) -> dict:
+        return await self.actor.status.remote()
+
+    def kill(self) -> None:
+        """Kill the actor at once, as a node failure would."""
+        ray.kill(self.actor, no_restart=True)
