@@ -52,10 +52,13 @@ def config_from_args(args: argparse.Namespace):
 
 
 def setup_logging(verbose: bool = False) -> None:
+    from rich.console import Console
     from rich.logging import RichHandler
 
+    # Logs go to stderr so that stdout carries only a command's result (tables, --json).
+    handler = RichHandler(console=Console(stderr=True), rich_tracebacks=True, show_path=False)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
-                        datefmt="%H:%M:%S", handlers=[RichHandler(rich_tracebacks=True, show_path=False)])
+                        datefmt="%H:%M:%S", handlers=[handler])
     for noisy in ("httpx", "urllib3", "filelock", "asyncio", "selenium", "transformers", "sentence_transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
