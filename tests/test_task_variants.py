@@ -1,0 +1,143 @@
+"""Mtask: the parser, each validation rule with the real MiniLM embedder, and an end-to-end
+round against the real SmolLM2 engine."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+
+from actors.envs.base import validate_state
+from infra.config import CurriculumConfig
+from infra.schema import Task
+from simulator.task_variants import (TaskVariantGenerator, VariantParseError, build_messages, derive_initial_state,
+                                     parse_variant)
+
+KITCHEN = """Goal: take the red key from the table
+Room: Kitchen. You see a table with a red key and a blue key, and a closed fridge.
+Inventory: nothing
+Actions:
+[1] take red key from table
+[2] take blue key from table
+[3] open fridge
+[4] go north"""
+
+SEED = Task(task_id="tw-1", instruction="take the red key from the table", family="tw-simple", initial_state=KITCHEN)
+BARE = Task(task_id="web-1", instruction="click the Submit button", family="miniwob/click-button")
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ("Task: take the blue key from the table", "take the blue key from the table"),
+    ("Sure! Here is a new task:\n\n**Task:** open the fridge and take the milk.", "open the fridge and take the milk."),
+    ("1. New task: \"put the blue key in the fridge\"", "put the blue key in the fridge"),
+    ("- go north and take the lamp", "go north and take the lamp"),
+    ("<think>swap the key</think>\nTask 2: take the blue key", "take the blue key"),
+])
+def test_parser_is_forgiving_of_formatting(reply, expected):
+    assert parse_variant(reply) == expected
+
+
+@pytest.mark.parametrize("reply", ["", "   \n ", "Task:", "Task: go", "Task: what should I take from the table?",
+                                   "Task: take [object] from [place]", "Task: 1234 5678 9999 ####",
+                                   "Task: " + "word " * 60])
+def test_parser_is_strict_on_content(reply):
+    with pytest.raises(VariantParseError):
+        parse_variant(reply)
+
+
+def test_derived_state_keeps_the_parents_actions_and_rewrites_the_goal():
+    s = derive_initial_state(KITCHEN, "take the blue key from the table")
+    assert s.splitlines()[0] == "Goal: take the blue key from the table"
+    assert validate_state(s).items == validate_state(KITCHEN).items
+    assert "take red key from table" in build_messages(SEED)[1]["content"]
+
+
+def _count(outcome: str) -> float:
+    return REGISTRY.get_sample_value("curriculum_variants_total", {"outcome": outcome}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    from simulator.embedder import Embedder
+
+    return Embedder()
+
+
+@pytest.mark.model
+async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_its_reason(embedder):
+    async def start_state(task: Task) -> str:
+        if "submit" in task.instruction.lower():
+            return "Page: a form\nActions:\n[1] button 'Submit'\n[2] button 'Cancel'"
+        return "the page could not be imagined"  # not an abstract state
+
+    gen = TaskVariantGenerator(None, None, CurriculumConfig(duplicate_threshold=0.95), embedder, start_state)
+    before = {o: _count(o) for o in ("accepted", "unparseable", "duplicate", "infeasible", "engine_error")}
+    existing = [SEED, BARE]
+    proposals = [
+        (SEED, "Sure! Here is one:\nTask: take the blue key from the table"),  # valid
+        (SEED, "Task: [1] ???"),                                               # does not parse
+        (SEED, "Task: Take the red key from the table."),                      # the seed again
+        (SEED, "Task: take the blue key from the table please"),                # same as the one just accepted
+        (SEED, "Task: fly the spaceship to planet mars"),                      # nothing of it in the kitchen
+        (BARE, "Task: click the Submit button twice then Cancel"),             # simulator starts it
+        (BARE, "Task: drag the slider all the way right"),                     # simulator cannot start it
+        (BARE, TimeoutError("engine down")),
+    ]
+    r = await gen.validate(proposals, existing)
+    assert [t.instruction for t in r.accepted] == ["take the blue key from the table",
+                                                   "click the Submit button twice then Cancel"]
+    why = {x.raw or x.detail: (x.reason, x.detail) for x in r.rejected}
+    assert why["Task: [1] ???"][0] == "unparseable"
+    assert why["Task: Take the red key from the table."][0] == "duplicate"
+    assert why["Task: take the blue key from the table please"][0] == "duplicate"
+    assert why["Task: fly the spaceship to planet mars"][0] == "infeasible"
+    assert "names nothing present" in why["Task: fly the spaceship to planet mars"][1]
+    assert why["Task: drag the slider all the way right"][0] == "infeasible"
+    assert "invalid" in why["Task: drag the slider all the way right"][1]
+    assert why["TimeoutError: engine down"][0] == "engine_error"
+    assert len(r.rejected) == 6
+    kitchen, web = r.accepted
+    assert kitchen.parent_id == "tw-1" and kitchen.generated and kitchen.meta["depth"] == 1
+    assert kitchen.initial_state.startswith("Goal: take the blue key") and kitchen.meta["initial_state_from"] == "parent"
+    assert web.parent_id == "web-1" and validate_state(web.initial_state).items[0] == (1, "button 'Submit'")
+    assert _count("accepted") - before["accepted"] == 2
+    assert _count("duplicate") - before["duplicate"] == 2
+    assert _count("infeasible") - before["infeasible"] == 2
+    assert _count("unparseable") - before["unparseable"] == 1
+    assert _count("engine_error") - before["engine_error"] == 1
+    assert r.acceptance_rate == pytest.approx(2 / 8)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_variants_generated_end_to_end_with_the_real_smollm2_engine(embedder, smollm2, redis_url):
+    engine_server = pytest.importorskip("infra.engine_server")
+    engine_client = pytest.importorskip("infra.engine_client")
+    from infra.streams import connect
+    from simulator.curriculum import CurriculumScheduler
+
+    _model, tokenizer = smollm2
+    cfg = CurriculumConfig(seeds_per_round=2, variants_per_seed=4, generate_every=1, batch_size=2)
+    handle = await engine_server.start_embedded_engine("smollm2", max_batch_size=16)
+    try:
+        async with engine_client.EngineClient([handle.url], role="mexp") as client:
+            gen = TaskVariantGenerator(client, tokenizer, cfg, embedder)
+            seeds = [SEED, Task(task_id="tw-2", instruction="open the fridge and take the milk", family="tw-simple",
+                                initial_state=KITCHEN.replace("take the red key from the table",
+                                                              "open the fridge and take the milk"))]
+            rc = connect(redis_url)
+            sched = CurriculumScheduler(rc, cfg, "e2e", seeds, variants=gen, seed=0)
+            added = await sched.generate_round()
+            r = gen.last_round
+            print(f"\nMtask acceptance {len(r.accepted)}/{len(r.accepted) + len(r.rejected)}; "
+                  f"rejected: {[(x.reason, x.detail, x.raw[:60]) for x in r.rejected]}\n"
+                  f"accepted: {[t.instruction for t in r.accepted]}")
+            assert len(r.accepted) + len(r.rejected) == 8  # every request came back and was judged
+            assert all(x.reason != "engine_error" for x in r.rejected)
+            for t in added:  # whatever was accepted is a valid, startable, novel child of a seed
+                assert t.generated and t.parent_id in {"tw-1", "tw-2"}
+                validate_state(t.initial_state)
+                assert t.instruction.lower() not in {s.instruction.lower() for s in seeds}
+            assert len(sched.pool) == 2 + len(added)
+            await rc.aclose()
+    finally:
+        await handle.stop()
