@@ -115,6 +115,13 @@ class SimulatorConfig:
     hnsw_ef_construct: int = _f(100, "Qdrant Edge HNSW: ef_construct at index build.", POSITIVE)
     hnsw_ef: int = _f(64, "Qdrant Edge HNSW: ef at query time (higher = better recall, slower).", POSITIVE)
     state_chars: int = _f(600, "Most characters of a retrieved/history state shown in a Mexp prompt (keeps prompts short).", POSITIVE)
+    sft_epochs: int = _f(1, "`dreamgym train-mexp`: passes over the training examples.", POSITIVE)
+    sft_lr: float = _f(5e-5, "`dreamgym train-mexp`: AdamW learning rate (use ~1e-3 with LoRA).", POSITIVE)
+    sft_batch_size: int = _f(4, "`dreamgym train-mexp`: examples per gradient step.", POSITIVE)
+    sft_lora_rank: int = _f(0, "`dreamgym train-mexp`: LoRA rank (0 = full fine-tuning); adapters are merged before saving.", NON_NEGATIVE)
+    sft_max_len: int = _f(640, "`dreamgym train-mexp`: longest example in tokens; longer ones are skipped.", POSITIVE)
+    sft_max_examples: int = _f(0, "`dreamgym train-mexp`: cap on training examples (0 = all).", NON_NEGATIVE)
+    heldout_frac: float = _f(0.2, "Share of offline tasks held out for SFT validation and fidelity when the splits file holds none.", UNIT)
 
 
 @dataclass
@@ -200,6 +207,11 @@ class DataConfig:
     policies: list = _f(["expert", "noisy", "random"], "Collection policies.")
     noise_eps: float = _f(0.3, "ε of the noisy expert.", UNIT)
     workers: int = _f(2, "Parallel collection processes.", POSITIVE)
+    textworld_heldout_families: list = _f([], "tw-make families that appear only in the held-out split (held-out-family test), e.g. [tw-cooking-2].")
+    miniwob_seeds: int = _f(3, "Page seeds per MiniWoB++ task (train seeds and held-out seeds are disjoint).", POSITIVE)
+    max_steps: int = _f(20, "Most steps of one collection or evaluation episode in a real environment.", POSITIVE)
+    teacher_endpoint: str = _f("", "OpenAI-compatible base URL of a teacher LLM that writes step rationales; empty: env-derived rationales.")
+    teacher_model: str = _f("", "Model name sent to the teacher endpoint.")
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""`dreamgym collect`: offline trajectories from real environments.
+
+Owns offline collection: the expert, ε-noisy expert and random choosers
+(actors/envs/expert.py) run over the train tasks, in parallel worker processes
+(`data.workers`; one environment, and for MiniWoB one browser, per process), and
+write wire-schema Trajectory records (env_kind=REAL) to
+`<data_dir>/offline/<family>/trajectories.msgpack`; the task splits go to
+`<data_dir>/<family>/splits.json`. This dataset seeds the replay buffer and is the
+SFT data of Mexp.
+
+Every step's `reasoning` is the environment's own account of the state change
+(TextWorld facts diff: "env-facts"; MiniWoB element diff: "env-dom-diff"). With
+`data.teacher_endpoint` set, a teacher LLM behind an OpenAI-compatible API rewrites
+each rationale from (state, action, next state, env rationale) and the step records
+"teacher"; a failed teacher call keeps the env rationale and its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from infra.schema import Task, Trajectory, decode_as, encode, _from_fields
+
+
+def _collect_one_task(family: str, task_d: dict, policies: list[str], episodes: int, eps: float, max_steps: int,
+                      seed: int) -> list[bytes]:
+    """Worker-process entry: every (policy, episode) of one task on one fresh environment."""
+    from actors.envs.expert import make_chooser
+    from actors.envs.registry import make_env
+    from actors.evaluate import run_episode
+
+    task = _from_fields(Task, task_d)
+
+    async def go() -> list[bytes]:
+        env = make_env(family, max_steps=max_steps)
+        out = []
+        try:
+            for p_i, policy in enumerate(policies):
+                for e in range(episodes):
+                    chooser = make_chooser(policy, seed=seed * 1_000_003 + task.seed * 101 + p_i * 13 + e, eps=eps)
+                    traj = await run_episode(env, task, chooser, max_steps, worker_id=f"collect-{policy}",
+                                             group_id=f"{task.task_id}-{policy}")
+                    traj.timings["policy_name"] = policy  # which collection policy wrote it
+                    out.append(encode(traj))
+        finally:
+            await env.close()
+        return out
+
+    return asyncio.run(go())
+
+
+def collect(family: str, tasks: list[Task], policies: list[str], episodes: int, eps: float, max_steps: int,
+            workers: int, seed: int = 0, progress: Any = None) -> list[Trajectory]:
+    """Collect in `workers` processes; returns the trajectories in task order."""
+    results: dict[int, list[Trajectory]] = {}
+    ctx = mp.get_context("spawn")  # selenium and TextWorld threads do not survive fork
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(tasks) or 1)), mp_context=ctx) as pool:
+        futs = {pool.submit(_collect_one_task, family, asdict(t), policies, episodes, eps, max_steps, seed): i
+                for i, t in enumerate(tasks)}
+        for fut in as_completed(futs):
+            results[futs[fut]] = [decode_as(b, Trajectory) for b in fut.result()]
+            if progress is not None:
+                progress(len(results[futs[fut]]))
+    return [t for i in sorted(results) for t in results[i]]
+
+
+async def _teacher_rationales(trajs: list[Trajectory], endpoint: str, model: str, concurrency: int = 4) -> int:
+    """Rewrite rationales with a teacher LLM; returns how many steps it wrote."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=endpoint, api_key="none", timeout=60.0, max_retries=1)
+    sem = asyncio.Semaphore(concurrency)
+    written = 0
+
+    async def one(step: Any) -> None:
+        nonlocal written
+        prompt = (f"State:\n{step.state}\n\nAction: {step.action}\n\nNext state:\n{step.next_state}\n\n"
+                  f"Observed change: {step.reasoning}\n\nIn one or two sentences, explain causally why the action "
+                  "led to the next state and whether it moved toward the goal.")
+        async with sem:
+            try:
+                r = await client.chat.completions.create(model=model or "teacher", max_tokens=96, temperature=0.2,
+                                                         messages=[{"role": "user", "content": prompt}])
+                text = (r.choices[0].message.content or "").strip()
+            except Exception:
+                return  # keep the env rationale and its source
+        if text:
+            step.reasoning, step.reasoning_source = text, "teacher"
+            written += 1
+
+    await asyncio.gather(*(one(s) for t in trajs for s in t.steps))
+    await client.close()
+    return written
+
+
+def summary_rows(trajs: list[Trajectory]) -> list[dict]:
+    by: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by[str(t.timings.get("policy_name", "?"))].append(t)
+    rows = []
+    for name, ts in by.items():
+        n_steps = sum(len(t.steps) for t in ts)
+        rows.append({"policy": name, "episodes": len(ts), "transitions": n_steps,
+                     "success": sum(t.success for t in ts) / len(ts) if ts else 0.0,
+                     "invalid": sum(not s.valid for t in ts for s in t.steps) / n_steps if n_steps else 0.0})
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from infra.cli import add_config_arguments
+
+    add_config_arguments(p)
+    p.add_argument("--family", default="textworld", choices=["textworld", "miniwob"], help="real environment family")
+    p.add_argument("--out", default="", help="data directory to write into (default: infra.data_dir)")
+    p.add_argument("--limit", type=int, default=0, help="collect on the first N train tasks only (0 = all)")
+    p.add_argument("--rebuild-splits", action="store_true", help="regenerate the task splits even if splits.json exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from actors.dataset import splits_path, trajectories_path, write_trajectories
+    from actors.envs.registry import load_or_make_splits
+    from infra.cli import config_from_args
+
+    cfg = config_from_args(args)
+    data_dir = Path(args.out or cfg.infra.data_dir)
+    console = Console()
+    t0 = time.perf_counter()
+    with console.status(f"preparing {args.family} tasks"):
+        splits = load_or_make_splits(args.family, cfg.data, data_dir, seed=cfg.infra.seed, rebuild=args.rebuild_splits)
+    tasks = splits.train[: args.limit] if args.limit else splits.train
+    console.print(f"{len(splits.train)} train / {len(splits.heldout)} held-out tasks ({time.perf_counter() - t0:.1f} s); "
+                  f"splits: {splits_path(data_dir, args.family)}")
+    policies = list(cfg.data.policies)
+    total = len(tasks) * len(policies) * cfg.data.episodes_per_task
+    with Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
+        bar = prog.add_task("episodes", total=total)
+        trajs = collect(args.family, tasks, policies, cfg.data.episodes_per_task, cfg.data.noise_eps,
+                        cfg.data.max_steps, cfg.data.workers, seed=cfg.infra.seed,
+                        progress=lambda n: prog.advance(bar, n))
+    if cfg.data.teacher_endpoint:
+        n = asyncio.run(_teacher_rationales(trajs, cfg.data.teacher_endpoint, cfg.data.teacher_model))
+        console.print(f"teacher wrote {n} rationales")
+    out = trajectories_path(data_dir, args.family)
+    write_trajectories(out, trajs)
+    table = Table(title=f"dreamgym collect: {args.family} ({time.perf_counter() - t0:.1f} s)")
+    for col in ("policy", "episodes", "transitions", "success", "invalid rate"):
+        table.add_column(col, justify="right")
+    for r in summary_rows(trajs):
+        table.add_row(r["policy"], str(r["episodes"]), str(r["transitions"]), f"{r['success']:.3f}", f"{r['invalid']:.3f}")
+    console.print(table)
+    console.print(f"trajectories: {out}")
+    return 0

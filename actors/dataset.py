@@ -1,0 +1,100 @@
+"""Offline datasets on disk: trajectory files and task splits.
+
+Owns the two file formats the rest of DreamGym reads offline data through:
+
+- a trajectory file: schema-encoded `Trajectory` messages (infra/schema.py)
+  written back to back, which is itself a valid msgpack stream; `read_trajectories`
+  streams them and raises `SchemaError` on a corrupt or foreign record rather than
+  skipping it silently. Default place: `<data_dir>/offline/<family>/trajectories.msgpack`.
+- task splits: `TaskSplits(train, heldout)` as JSON (`<data_dir>/<family>/splits.json`),
+  each task in the wire schema's field names.
+
+Writes go to a temporary file renamed into place, so a crash never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import msgpack
+
+from infra.schema import MalformedMessage, SchemaError, Task, Trajectory, encode, from_dict, _from_fields
+
+__all__ = ["TaskSplits", "write_trajectories", "read_trajectories", "trajectories_path", "splits_path", "SchemaError"]
+
+
+def trajectories_path(data_dir: str | Path, family: str) -> Path:
+    return Path(data_dir) / "offline" / family / "trajectories.msgpack"
+
+
+def splits_path(data_dir: str | Path, family: str) -> Path:
+    return Path(data_dir) / family / "splits.json"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def write_trajectories(path: str | Path, trajectories: Iterable[Trajectory], append: bool = False) -> int:
+    """Write (or append) trajectories; returns how many were written."""
+    path = Path(path)
+    blobs = []
+    for t in trajectories:
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"expected Trajectory, got {type(t).__name__}")
+        blobs.append(encode(t))
+    if append:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as fh:
+            fh.write(b"".join(blobs))
+    else:
+        _atomic_write(path, b"".join(blobs))
+    return len(blobs)
+
+
+def read_trajectories(path: str | Path) -> Iterator[Trajectory]:
+    """Stream the trajectories of a file; SchemaError on any record that is not a Trajectory."""
+    with open(path, "rb") as fh:
+        unpacker = msgpack.Unpacker(fh, raw=False, strict_map_key=True, max_buffer_size=256 * 1024 * 1024)
+        n = 0
+        while True:
+            try:
+                d = unpacker.unpack()
+            except msgpack.OutOfData:
+                # A truncated final record leaves unread bytes in the buffer.
+                if unpacker.tell() != os.fstat(fh.fileno()).st_size:
+                    raise MalformedMessage(f"{path}: truncated record after {n} trajectories") from None
+                return
+            except Exception as exc:  # msgpack raises several unrelated types on garbage
+                raise MalformedMessage(f"{path}: record {n} is not msgpack: {exc}") from exc
+            obj = from_dict(d)
+            if not isinstance(obj, Trajectory):
+                raise MalformedMessage(f"{path}: record {n} is a {type(obj).KIND}, not a trajectory")
+            n += 1
+            yield obj
+
+
+@dataclass
+class TaskSplits:
+    train: list = field(default_factory=list)  # list[Task]
+    heldout: list = field(default_factory=list)  # list[Task]
+
+    def save(self, path: str | Path) -> None:
+        doc = {"train": [asdict(t) for t in self.train], "heldout": [asdict(t) for t in self.heldout]}
+        _atomic_write(Path(path), json.dumps(doc, indent=1).encode())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TaskSplits":
+        try:
+            doc = json.loads(Path(path).read_text())
+            return cls(train=[_from_fields(Task, d) for d in doc["train"]],
+                       heldout=[_from_fields(Task, d) for d in doc["heldout"]])
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise MalformedMessage(f"{path}: not a task-splits file: {exc}") from exc

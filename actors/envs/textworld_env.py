@@ -1,0 +1,299 @@
+"""TextWorld behind the one text interface: game generation, task splits, the environment.
+
+Owns three things:
+
+- `make_textworld_tasks`: tw-make games from fixed seeds, cached on disk
+  (`<data_dir>/textworld/games/<family>-s<seed>.z8`), split into train and held-out
+  by seed and, optionally, by whole families that only appear in the held-out set.
+- `TextWorldEnv`: a synchronous core (`reset_sync`/`step_sync`) over
+  `textworld.start`, exposed through the async Environment interface with
+  `asyncio.to_thread`.
+- the abstract state: goal, room (name and a short description), inventory, then the
+  admissible commands as numbered items, and the env-facts rationale of a step
+  (the world facts that the action added and removed, in words).
+
+Departures from plain TextWorld: the reward is the paper's outcome reward (1.0 when
+the game is won at that step, else 0.0), not TextWorld's score; `look`,
+`inventory` and `examine ...` are left out of the numbered items because the state
+already shows what they would print (they stay valid if typed); an action that is
+not admissible never reaches the game, it returns the unchanged state marked
+invalid. `info["expert_action"]` is TextWorld's `policy_commands[0]`, the plan from
+the current state, so a noisy expert recovers after a random step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from actors.envs.base import AbstractState, ActionFormatError, StepResult, invalid_observation, parse_action
+from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
+from infra.schema import Task
+
+FAMILY_ARGS: dict[str, list[str]] = {
+    # Tiny worlds so a game is generated in 2-5 s and solved in a handful of steps.
+    "tw-simple": ["tw-simple", "--rewards", "sparse", "--goal", "detailed"],
+    "tw-cooking-1": ["tw-cooking", "--recipe", "1", "--take", "1", "--go", "1"],
+    "tw-cooking-2": ["tw-cooking", "--recipe", "2", "--take", "2", "--go", "1", "--open"],
+    "tw-cooking-3": ["tw-cooking", "--recipe", "2", "--take", "2", "--go", "6", "--open", "--cut"],
+    "custom": ["custom", "--world-size", "2", "--nb-objects", "4", "--quest-length", "2"],
+    "custom-3": ["custom", "--world-size", "3", "--nb-objects", "6", "--quest-length", "3"],
+    "tw-coin_collector": ["tw-coin_collector", "--level", "5"],
+    "tw-treasure_hunter": ["tw-treasure_hunter", "--level", "2"],
+}
+# "tw-cooking" alone cycles through its levels, one game per level in turn.
+FAMILY_ALIASES = {"tw-cooking": ["tw-cooking-1", "tw-cooking-2", "tw-cooking-3"]}
+
+# Commands whose output the abstract state already shows; kept valid, not listed.
+_HIDDEN = re.compile(r"^(look|inventory|examine .+)$")
+_FACT = re.compile(r"^(\w+)\((.*)\)$")
+DESCRIPTION_CHARS = 320
+# TextWorld's grammar parser (tatsu) is not thread-safe: concurrent game loads in one
+# process corrupt each other. The calls are short and GIL-bound, so one lock costs nothing.
+_TW_LOCK = threading.Lock()
+
+
+class GameGenerationError(RuntimeError):
+    """tw-make failed for a family and seed."""
+
+
+def _tw_make() -> str:
+    exe = Path(sys.executable).with_name("tw-make")
+    return str(exe) if exe.exists() else (shutil.which("tw-make") or "tw-make")
+
+
+def generate_game(family: str, seed: int, games_dir: str | Path) -> Path:
+    """The .z8 game of `family` with `seed`, generated once and then read from the cache."""
+    if family not in FAMILY_ARGS:
+        raise ValueError(f"unknown TextWorld family {family!r}; expected one of {sorted(FAMILY_ARGS) + list(FAMILY_ALIASES)}")
+    out = Path(games_dir) / f"{family}-s{seed}.z8"
+    if out.exists() and out.stat().st_size > 0:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp.z8")  # rename at the end: a crash never leaves half a game
+    cmd = [_tw_make(), *FAMILY_ARGS[family], "--seed", str(seed), "--output", str(tmp), "--silent", "-f"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 or not tmp.exists():
+        raise GameGenerationError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-500:]}")
+    for ext in (".json", ".ni"):  # tw-make writes sidecars; textworld.start reads the .json
+        side = tmp.with_suffix(ext)
+        if side.exists():
+            side.replace(out.with_suffix(ext))
+    tmp.replace(out)
+    return out
+
+
+def _expand(families: list[str]) -> list[str]:
+    out: list[str] = []
+    for f in families:
+        out += FAMILY_ALIASES.get(f, [f])
+    for f in out:
+        if f not in FAMILY_ARGS:
+            raise ValueError(f"unknown TextWorld family {f!r}; expected one of {sorted(FAMILY_ARGS) + list(FAMILY_ALIASES)}")
+    return out
+
+
+def make_textworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, families: list[str], seed: int = 0,
+                         heldout_families: list[str] | tuple[str, ...] = (), workers: int = 2):
+    """Generate (or load from the cache) games and split them into train and held-out tasks.
+
+    Train games take seeds `seed*10000 + i`, held-out ones `seed*10000 + 5000 + i`, so
+    no game appears in both. Families are assigned round-robin; `heldout_families`
+    appear only in the held-out split (the "held-out family" test).
+    """
+    from actors.dataset import TaskSplits
+
+    train_fams = _expand(list(families))
+    held_fams = train_fams + [f for f in _expand(list(heldout_families)) if f not in train_fams]
+    if not train_fams:
+        raise ValueError("no TextWorld families given")
+    games_dir = Path(data_dir) / "textworld" / "games"
+    plan = [("train", train_fams[i % len(train_fams)], seed * 10000 + i) for i in range(n_train)]
+    plan += [("heldout", held_fams[i % len(held_fams)], seed * 10000 + 5000 + i) for i in range(n_heldout)]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # tw-make runs as a subprocess
+        paths = list(pool.map(lambda p: generate_game(p[1], p[2], games_dir), plan))
+    env = TextWorldEnv()
+    train, heldout = [], []
+    try:
+        for (split, fam, s), path in zip(plan, paths):
+            task = Task(task_id=f"{fam}-s{s}", instruction="", family=fam, game_file=str(path), seed=s)
+            state, _info = env.reset_sync(task)
+            task.instruction = env.objective
+            task.initial_state = state
+            (train if split == "train" else heldout).append(task)
+    finally:
+        env.close_sync()
+    return TaskSplits(train=train, heldout=heldout)
+
+
+def _humanize_fact(fact: str) -> str:
+    """'in(milk: f, I)' -> 'milk in inventory'; 'open(fridge: c)' -> 'fridge open'."""
+    m = _FACT.match(fact.strip())
+    if not m:
+        return fact
+    pred, args = m.group(1), [a.split(":")[0].strip() for a in m.group(2).split(",") if a.strip()]
+    args = ["inventory" if a == "I" else "you" if a == "P" else a for a in args]
+    pred = pred.replace("_", " ")
+    if len(args) == 1:
+        return f"{args[0]} {pred}"
+    if len(args) == 2:
+        if args[0] == "you" and pred == "at":
+            return f"you in {args[1]}"
+        return f"{args[0]} {pred} {args[1]}"
+    return f"{pred}({', '.join(args)})"
+
+
+def facts_rationale(action: str, before: set[str], after: set[str], won: bool, limit: int = 4) -> str:
+    """A short causal rationale from the facts diff, e.g. 'take apple: now apple in inventory; no longer apple on counter'."""
+    added = sorted(_humanize_fact(f) for f in after - before)[:limit]
+    removed = sorted(_humanize_fact(f) for f in before - after)[:limit]
+    parts = []
+    if added:
+        parts.append("now " + ", ".join(added))
+    if removed:
+        parts.append("no longer " + ", ".join(removed))
+    if not parts:
+        parts.append("nothing in the world changed")
+    text = f"{action}: " + "; ".join(parts)
+    return text + ("; the goal is reached" if won else "")
+
+
+def _room(description: str) -> str:
+    text = (description or "").strip()
+    m = re.search(r"-=\s*(.+?)\s*=-", text)
+    name = m.group(1) if m else "unknown"
+    body = " ".join(text[m.end():].split()) if m else " ".join(text.split())
+    if len(body) > DESCRIPTION_CHARS:
+        cut = body[:DESCRIPTION_CHARS]
+        body = cut[: cut.rfind(".") + 1] if "." in cut else cut + "…"
+    return f"{name}. {body}".strip()
+
+
+def _inventory(text: str) -> str:
+    t = " ".join((text or "").split())
+    t = re.sub(r"^You are carrying:?\s*", "", t)
+    return t.rstrip(".") or "nothing"
+
+
+def render_state(objective: str, description: str, inventory: str, commands: list[str]) -> str:
+    """The abstract state of a TextWorld game: goal, room, inventory, numbered commands."""
+    shown = [c for c in commands if not _HIDDEN.match(c)] or list(commands)
+    desc = f"Goal: {' '.join(objective.split())}\nRoom: {_room(description)}\nInventory: {_inventory(inventory)}"
+    return AbstractState(desc, [(i + 1, c) for i, c in enumerate(shown)]).render()
+
+
+class TextWorldEnv:
+    """One TextWorld game at a time; `reset(task)` opens `task.game_file`."""
+
+    family = "textworld"
+
+    def __init__(self, max_steps: int = 50):
+        self.max_steps = max_steps
+        self._env = None
+        self._game_file = ""
+        self._gs = None
+        self.state = ""
+        self.objective = ""
+        self.steps = 0
+        self.invalid = 0
+        self.done = True
+
+    # --- sync core -------------------------------------------------------
+    def _open(self, game_file: str) -> None:
+        import textworld
+
+        if self._env is not None and game_file == self._game_file:
+            return
+        self.close_sync()
+        infos = textworld.EnvInfos(admissible_commands=True, policy_commands=True, won=True, lost=True,
+                                   objective=True, facts=True, description=True, inventory=True)
+        self._env = textworld.start(game_file, request_infos=infos)
+        self._game_file = game_file
+
+    def _observe(self) -> str:
+        gs = self._gs
+        self._shown = [c for c in gs.admissible_commands if not _HIDDEN.match(c)] or list(gs.admissible_commands)
+        self.state = render_state(self.objective, gs.description or "", gs.inventory or "", list(gs.admissible_commands))
+        return self.state
+
+    def _info(self, valid: bool, won: bool = False, **extra: Any) -> dict[str, Any]:
+        plan = list(self._gs.policy_commands or []) if self._gs is not None else []
+        return {"candidates": list(self._shown), "valid": valid, "won": won, "invalid_actions": self.invalid,
+                "expert_action": plan[0] if plan and not self.done else None, "steps": self.steps, **extra}
+
+    def reset_sync(self, task: Task) -> tuple[str, dict[str, Any]]:
+        if not task.game_file or not Path(task.game_file).exists():
+            raise FileNotFoundError(f"TextWorld game file {task.game_file!r} of task {task.task_id} does not exist")
+        self._open(task.game_file)
+        self._gs = self._env.reset()
+        self.objective = self._gs.objective or task.instruction
+        self.steps, self.invalid, self.done = 0, 0, False
+        ENV_RESETS.labels(family="textworld").inc()
+        return self._observe(), self._info(True)
+
+    def _resolve(self, action: str) -> str | None:
+        """The admissible command an action names, or None."""
+        try:
+            act = parse_action(action)
+        except ActionFormatError:
+            return None
+        admissible = {c.lower(): c for c in self._gs.admissible_commands}
+        if act.kind == "choose":
+            return self._shown[act.ref - 1] if 1 <= act.ref <= len(self._shown) else None
+        if act.kind == "command":
+            return admissible.get(" ".join(act.text.lower().split()))
+        return None  # click/type have no meaning in a text game
+
+    def step_sync(self, action: str) -> StepResult:
+        if self._gs is None:
+            raise RuntimeError("step() before reset()")
+        if self.done:
+            return StepResult(invalid_observation(self.state, action, "the episode is over"), 0.0, True,
+                              self._info(False, bool(self._gs.won)))
+        command = self._resolve(action)
+        self.steps += 1
+        if command is None:
+            self.invalid += 1
+            ROLLOUT_INVALID_ACTIONS.labels(env_kind="real").inc()
+            self.done = self.steps >= self.max_steps
+            reason = "not one of the listed commands" if not isinstance(action, str) or not action.lower().startswith(("click", "type")) else "web actions do not apply to a text game"
+            return StepResult(invalid_observation(self.state, str(action), reason), 0.0, self.done,
+                              self._info(False, truncated=self.done, rationale=f"{action}: invalid, nothing changed"))
+        before = {str(f) for f in self._gs.facts}
+        self._gs, _score, game_over = self._env.step(command)
+        won, lost = bool(self._gs.won), bool(self._gs.lost)
+        after = {str(f) for f in self._gs.facts}
+        truncated = not (won or lost or game_over) and self.steps >= self.max_steps
+        self.done = bool(won or lost or game_over or truncated)
+        state = self._observe()
+        return StepResult(state, 1.0 if won else 0.0, self.done,
+                          self._info(True, won, lost=lost, truncated=truncated, command=command,
+                                     rationale=facts_rationale(command, before, after, won)))
+
+    def close_sync(self) -> None:
+        if self._env is not None:
+            try:
+                self._env.close()
+            finally:
+                self._env, self._game_file, self._gs = None, "", None
+
+    # --- the async Environment interface --------------------------------
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        with _TW_LOCK:
+            return fn(*args)
+
+    async def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        return await asyncio.to_thread(self._locked, self.reset_sync, task)
+
+    async def step(self, action: str) -> StepResult:
+        return await asyncio.to_thread(self._locked, self.step_sync, action)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._locked, self.close_sync)
