@@ -89,6 +89,8 @@ class EngineConfig:
     sglang_tp_size: int = _f(1, "SGLang launcher: tensor-parallel size.", POSITIVE)
     sglang_mem_fraction: float = _f(0.85, "SGLang launcher: --mem-fraction-static.", UNIT)
     sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", POSITIVE)
+    sglang_extra_args: list = _f([], "SGLang launcher: extra launch_server flags, e.g. ['--enable-deterministic-inference'].")
+    sglang_resource: str = _f("mexp_gpu", "SGLang launcher: Ray custom resource (node label) its actor asks for; '' = none.")
 
 
 @dataclass
