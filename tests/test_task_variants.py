@@ -117,7 +117,7 @@ async def test_variants_generated_end_to_end_with_the_real_smollm2_engine(embedd
 
     _model, tokenizer = smollm2
     cfg = CurriculumConfig(seeds_per_round=2, variants_per_seed=4, generate_every=1, batch_size=2)
-    handle = await engine_server.start_embedded_engine("smollm2", max_batch_size=16)
+    handle = await engine_server.start_embedded_engine("smollm2", max_batch_size=16, loaded=smollm2)
     try:
         async with engine_client.EngineClient([handle.url], role="mexp") as client:
             gen = TaskVariantGenerator(client, tokenizer, cfg, embedder)
