@@ -1,0 +1,103 @@
+"""The trainable policy: SmolLM2 (or any causal LM directory), optional LoRA, an
+optional PPO value head, and per-step choice log-probs.
+
+Owns the learner-side model. Log-probs go through `actors.policy.choice_forward` and
+`gather_choice_logprobs`, the very functions behind `choice_logprobs`, so the
+learner and the behaviour policy compute the same number. The reference policy for
+the KL penalty is the adapter-free base model under LoRA (no second copy) and a
+frozen copy of the initial weights under full fine-tuning (made only if asked for).
+The value head reads the last layer's hidden state at the prompt's last position.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from actors.policy import choice_forward, gather_choice_logprobs
+from infra.model_loading import load_model
+
+log = logging.getLogger(__name__)
+
+
+class PolicyModel(nn.Module):
+    def __init__(self, model_name: str = "smollm2", lora_rank: int = 0, value_head: bool = False,
+                 gradient_checkpointing: bool = False, model=None, tokenizer=None):
+        super().__init__()
+        if model is None:
+            model, tokenizer = load_model(model_name)
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.lora_rank = lora_rank
+        if lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            if lora_rank > 0:
+                model.enable_input_require_grads()
+        self.lm = model
+        hidden = model.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1) if value_head else None
+        if self.value_head is not None:
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+        self._ref: nn.Module | None = None
+        self.lm.train()
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def forward_choice(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
+                       chosen_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log-prob of each chosen label [B], value [B] or None)."""
+        logits, hidden = choice_forward(self.lm, self.tokenizer, prompts, want_hidden=self.value_head is not None)
+        logp = gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
+        values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
+        return logp, values
+
+    @torch.no_grad()
+    def reference_logprobs(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
+                           chosen_ids: Sequence[int]) -> torch.Tensor:
+        """Log-probs under the reference policy (the initial weights)."""
+        if self.lora_rank > 0:
+            with self.lm.disable_adapter():
+                logits, _ = choice_forward(self.lm, self.tokenizer, prompts)
+        else:
+            self.snapshot_reference()
+            logits, _ = choice_forward(self._ref, self.tokenizer, prompts)
+        return gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
+
+    def snapshot_reference(self) -> None:
+        """Full fine-tuning: freeze a copy of the current weights as the reference now."""
+        if self.lora_rank == 0 and self._ref is None:
+            ref = copy.deepcopy(self.lm).eval()
+            for p in ref.parameters():
+                p.requires_grad_(False)
+            # Not a submodule: it must stay out of parameters(), state_dict() and checkpoints.
+            object.__setattr__(self, "_ref", ref)
+
+    def save_hf(self, path: str | Path) -> Path:
+        """Write a plain Hugging Face directory an engine can load (LoRA merged), atomically."""
+        path = Path(path)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if self.lora_rank > 0:
+            merged = copy.deepcopy(self.lm).merge_and_unload()
+        else:
+            merged = self.lm
+        merged.save_pretrained(tmp, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        return path

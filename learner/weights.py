@@ -1,0 +1,67 @@
+"""Publishing versioned policy weights to the policy engines.
+
+Owns the weights directory of a run: version N lives in `<run_dir>/weights/v<N>`
+(written atomically: a temporary directory renamed into place), the engines are told
+with `EngineClient.update_weights_from_disk(path, N)`, and only the last `keep`
+versions stay on disk (an engine may still be loading the previous one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+
+from infra import metrics
+
+log = logging.getLogger(__name__)
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class WeightSink(Protocol):
+    """What a publisher needs from the engines: contract 1's update call."""
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None: ...
+
+
+def weights_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "weights"
+
+
+def version_path(run_dir: str | Path, version: int) -> Path:
+    return weights_dir(run_dir) / f"v{version}"
+
+
+def published_versions(run_dir: str | Path) -> list[int]:
+    d = weights_dir(run_dir)
+    if not d.exists():
+        return []
+    return sorted(int(m.group(1)) for p in d.iterdir() if p.is_dir() and (m := _VERSION_DIR.match(p.name)))
+
+
+class WeightPublisher:
+    """Saves a PolicyModel as version N and points the engines at it."""
+
+    def __init__(self, run_dir: str | Path, client: WeightSink | None = None, keep: int = 2):
+        self.run_dir, self.client, self.keep = Path(run_dir), client, max(1, keep)
+        self.last_published: int | None = None
+
+    async def publish(self, policy: Any, version: int) -> Path:
+        path = version_path(self.run_dir, version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Serialising 0.5 GB blocks; keep the event loop (stream heartbeats) responsive.
+        await asyncio.to_thread(policy.save_hf, path)
+        if self.client is not None:
+            await self.client.update_weights_from_disk(str(path.resolve()), version)
+        self.last_published = version
+        metrics.LEARNER_WEIGHT_VERSION.set(version)
+        self._prune()
+        log.info("published weights v%d at %s", version, path)
+        return path
+
+    def _prune(self) -> None:
+        for v in published_versions(self.run_dir)[:-self.keep]:
+            shutil.rmtree(version_path(self.run_dir, v), ignore_errors=True)

@@ -1,0 +1,161 @@
+"""The learner against a real Redis stream and the real SmolLM2 (LoRA keeps it cheap).
+
+Trajectories are built the way a rollout worker builds them: choice prompts from
+actors/policy.py with the real tokenizer, behaviour log-probs recomputed by
+`choice_logprobs`, so the first update is on-policy (ratio 1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from actors.policy import build_choice_prompt, choice_logprobs
+from infra.config import LearnerConfig
+from infra.schema import Status, Step, Task, Trajectory, decode_as, encode, new_id
+from infra.streams import StreamConsumer, StreamProducer, trajectories_stream
+from learner import checkpoint as ckpt
+from learner.learner import Learner
+from learner.policy_model import PolicyModel
+from learner.weights import WeightPublisher, published_versions
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+STATE = "Room: Kitchen. You see a table with a coin.\nInventory: nothing\nActions:\n[1] go north\n[2] take coin\n[3] open door"
+CANDS = ["go north", "take coin", "open door"]
+
+
+class RecordingEngines:
+    """Stands in for the policy engines' update call; records what it was told."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        self.calls.append((model_path, weight_version))
+
+
+def make_traj(tok, model, group_id, reward, version=0, n_steps=2, status=None, task_id="t1"):
+    task = Task(task_id, "take the coin")
+    steps = []
+    for i in range(n_steps):
+        prompt, labels = build_choice_prompt(tok, task, STATE, CANDS, [s.action for s in steps])
+        choice = (i + int(reward)) % len(CANDS)
+        with torch.no_grad():
+            lp = float(choice_logprobs(model, tok, [prompt], [labels], [labels[choice]])[0])
+        done = i == n_steps - 1
+        steps.append(Step(state=STATE, action=CANDS[choice], reward=reward if done else 0.0, done=done,
+                          policy_prompt=prompt, action_token_ids=[labels[choice]], logprobs=[lp], loss_mask=[1],
+                          choice_token_ids=labels))
+    st = status or (Status.SUCCESS if reward > 0 else Status.FAILURE)
+    return Trajectory(task_id=task_id, group_id=group_id, steps=steps, status=st, success=reward > 0,
+                      policy_version=version, task=task)
+
+
+@pytest.fixture
+def lora_policy(smollm2):
+    model, tok = smollm2
+    return PolicyModel(lora_rank=4, model=copy.deepcopy(model), tokenizer=tok)
+
+
+def cfg(**kw):
+    base = dict(lr=5e-3, lora_rank=4, groups_per_update=1, max_staleness=0, checkpoint_every=1, publish_every=1,
+                micro_batch=8, group_timeout_s=3600.0)
+    base.update(kw)
+    return LearnerConfig(**base)
+
+
+async def make_consumer(redis_url, name="learner-0"):
+    client = aioredis.from_url(redis_url)
+    stream = trajectories_stream("test")
+    consumer = StreamConsumer(client, stream, "learner", name, lambda b: decode_as(b, Trajectory))
+    await consumer.ensure_group()
+    return client, StreamProducer(client, stream), consumer, stream
+
+
+async def run_until_update(learner, tries=20):
+    for _ in range(tries):
+        s = await learner.step()
+        if s is not None:
+            return s
+    raise AssertionError("no update happened")
+
+
+async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_policy, tmp_path):
+    model, tok = smollm2
+    client, producer, consumer, stream = await make_consumer(redis_url)
+    engines = RecordingEngines()
+    learner = Learner(cfg(), "smollm2", tmp_path, consumer, WeightPublisher(tmp_path, engines),
+                      group_size=2, policy=lora_policy, read_block_ms=50)
+    before = {n: p.detach().clone() for n, p in lora_policy.named_parameters() if p.requires_grad}
+
+    a = [make_traj(tok, model, "A", 1.0), make_traj(tok, model, "A", 0.0)]
+    b = [make_traj(tok, model, "B", 0.0), make_traj(tok, model, "B", 0.0)]  # zero variance
+    c1 = make_traj(tok, model, "C", 1.0)  # its partner arrives after the restart
+    broken = [make_traj(tok, model, "X", r, status=Status.SIM_ERROR) for r in (0.0, 1.0)]
+    await producer.add(encode(t) for t in [a[0], b[0], c1, broken[0], b[1], a[1], broken[1]])
+
+    s1 = await run_until_update(learner)
+    assert s1.version == 1 and learner.version == 1 and s1.trajectories == 2 and s1.groups == 1
+    assert s1.mean_reward == pytest.approx(0.5) and s1.steps == 4
+    assert s1.clip_fraction == 0.0  # on-policy: every ratio is 1
+    changed = [n for n, p in lora_policy.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed, "no trainable parameter moved"
+    assert learner.consumed_ids == [a[0].trajectory_id, a[1].trajectory_id]
+    assert s1.discarded == {"zero_variance": 2, "broken": 2}
+    assert engines.calls and engines.calls[-1][1] == 1 and published_versions(tmp_path) == [1]
+
+    # Version 1 now, max_staleness 0: a version-0 group is stale, a version-1 group trains.
+    d = [make_traj(tok, model, "D", 1.0, version=0), make_traj(tok, model, "D", 0.0, version=0)]
+    e = [make_traj(tok, model, "E", 0.0, version=1), make_traj(tok, model, "E", 1.0, version=1)]
+    await producer.add(encode(t) for t in d + e)
+    s2 = await run_until_update(learner)
+    assert s2.version == 2 and learner.consumed_ids[2:] == [e[0].trajectory_id, e[1].trajectory_id]
+    assert s2.discarded == {"stale": 2} and learner.staleness.counts().dropped == 2
+    # A duplicate delivery (the producer retried) of a consumed trajectory is acked, not trained.
+    await producer.add([encode(e[0])])
+    assert await learner.step() is None
+    info = {g["name"].decode(): g for g in await client.xinfo_groups(stream)}
+    assert info["learner"]["pending"] == 1  # only c1: held, waiting for its group
+    assert ckpt.latest(tmp_path).name == "step_000002"
+
+    # Restart: a new learner with the same consumer name resumes version, dedupe set and
+    # its pending entry; c1's partner completes group C.
+    client2, producer2, consumer2, _ = await make_consumer(redis_url)
+    fresh = PolicyModel(lora_rank=4, model=copy.deepcopy(model), tokenizer=tok)
+    learner2 = Learner(cfg(max_staleness=5), "smollm2", tmp_path, consumer2, None, group_size=2, policy=fresh,
+                       read_block_ms=50)
+    assert learner2.resume()
+    assert learner2.version == 2 and learner2.updates == 2
+    trained = {n: p for n, p in lora_policy.named_parameters() if p.requires_grad}
+    for n, p in fresh.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, trained[n]), n
+    c2 = make_traj(tok, model, "C", 0.0)
+    await producer2.add([encode(e[1]), encode(c2)])
+    s3 = await run_until_update(learner2)
+    assert s3.version == 3 and learner2.consumed_ids == [c1.trajectory_id, c2.trajectory_id]
+    assert s3.discarded.get("duplicate") == 1
+    info = {g["name"].decode(): g for g in await client2.xinfo_groups(stream)}
+    assert info["learner"]["pending"] == 0
+    await client.aclose()
+    await client2.aclose()
+
+
+async def test_ppo_and_importance_correction(redis_url, smollm2, tmp_path):
+    model, tok = smollm2
+    policy = PolicyModel(lora_rank=4, value_head=True, model=copy.deepcopy(model), tokenizer=tok)
+    client, producer, consumer, _ = await make_consumer(redis_url)
+    learner = Learner(cfg(algo="ppo", staleness_mode="importance", checkpoint_every=10, kl_coef=0.1),
+                      "smollm2", tmp_path, consumer, None, group_size=2, policy=policy, read_block_ms=50)
+    learner.version = 3  # both trajectories are 3 versions old: corrected, not dropped
+    head = policy.value_head.weight.detach().clone()
+    await producer.add(encode(t) for t in [make_traj(tok, model, "P", 1.0), make_traj(tok, model, "Q", 0.0)])
+    s = await run_until_update(learner)
+    assert s.trajectories == 2 and learner.staleness.counts().corrected == 2
+    assert s.value_loss > 0 and not torch.equal(head, policy.value_head.weight)
+    assert s.kl == pytest.approx(0.0, abs=1e-6)  # LoRA starts at the reference
+    await client.aclose()
