@@ -74,6 +74,7 @@ class ExperienceModel:
         prompt = self.prompt(task, history, retrieved, state, action)
         head = prompts.prefill(self.cfg.reasoning)
         out = await self._sample(prompt, head, parse_mexp_output, episode_id)
+        out.next_state = prompts.join_goal(prompts.split_goal(state)[0], out.next_state)
         metrics.SIMULATOR_STEPS.inc()
         return out
 

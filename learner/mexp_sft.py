@@ -1,0 +1,237 @@
+"""`dreamgym train-mexp`: supervised fine-tuning of the experience model (paper Eq. 5).
+
+Owns Mexp's training on offline real trajectories. The objective is the paper's
+joint loss
+
+    L = -log p(reasoning | ctx) - log p(next state, reward, done | ctx, reasoning)
+
+which, for one autoregressive target `reasoning + state/reward/done`, is the summed
+token cross-entropy over the target tokens with the prompt masked. It is reported
+as its two terms (per-token means over the reasoning tokens and over the rest) as
+well as the token-mean total that is optimised. The context is built by
+simulator/mexp_data.py exactly as at inference, including the top-k neighbours
+retrieved from a buffer of the TRAIN trajectories with the step's own episode
+excluded. Held-out tasks (same split as `dreamgym fidelity`) give the validation
+loss, measured before and after training.
+
+Departures: the <think> target is the environment-derived rationale the dataset
+stores (`Step.reasoning`, e.g. TextWorld fact differences), not a teacher LLM's
+reasoning; examples longer than `sft_max_len` tokens are skipped, not truncated.
+SmolLM2 by default, full fine-tuning or LoRA (peft; adapters merged before saving).
+The output directory is a plain Hugging Face model + tokenizer, which the embedded
+engine loads through `/update_weights_from_disk`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infra.config import SimulatorConfig
+from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
+
+log = logging.getLogger(__name__)
+IGNORE = -100
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE on prompt tokens
+    reasoning: list[bool]  # True on target tokens of the <think> part
+
+
+def encode_example(tokenizer: Any, ex: MexpExample, max_len: int) -> Encoded | None:
+    """Prompt + reasoning + rest + EOS; None if longer than max_len.
+
+    The prompt is tokenized on its own, as the engine tokenizes it at inference, and
+    the target after it, so training sees the token boundary inference sees.
+    """
+    p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+    r = tokenizer(ex.reasoning_target, add_special_tokens=False)["input_ids"] if ex.reasoning_target else []
+    s = tokenizer(ex.rest_target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = p + r + s
+    if len(ids) > max_len:
+        return None
+    return Encoded(ids, [IGNORE] * len(p) + r + s, [False] * len(p) + [True] * len(r) + [False] * len(s))
+
+
+def _collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
+    n = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
+    reas = torch.zeros((len(batch), n), dtype=torch.bool)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    for i, e in enumerate(batch):
+        k = len(e.input_ids)
+        ids[i, :k] = torch.tensor(e.input_ids)
+        labels[i, :k] = torch.tensor(e.labels)
+        reas[i, :k] = torch.tensor(e.reasoning)
+        mask[i, :k] = 1
+    return {"input_ids": ids, "labels": labels, "reasoning": reas, "attention_mask": mask}
+
+
+def token_losses(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-target-token negative log-likelihood (flattened), and the reasoning / target masks it applies to."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    reas = batch["reasoning"][:, 1:]
+    target = labels != IGNORE
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
+                                            labels.clamp(min=0).reshape(-1), reduction="none")
+    return nll.view(labels.shape), reas & target, target & ~reas
+
+
+def evaluate(model: Any, data: list[Encoded], pad_id: int, batch_size: int = 8) -> dict[str, float]:
+    """Token-mean held-out loss, and its two Eq. 5 terms."""
+    tot = {"all": 0.0, "reasoning": 0.0, "state": 0.0}
+    cnt = {"all": 0, "reasoning": 0, "state": 0}
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(data), batch_size):
+            nll, reas, rest = token_losses(model, _collate(data[i:i + batch_size], pad_id))
+            for name, m in (("reasoning", reas), ("state", rest), ("all", reas | rest)):
+                tot[name] += float(nll[m].sum())
+                cnt[name] += int(m.sum())
+    model.train(was_training)
+    return {f"loss_{k}": (tot[k] / cnt[k] if cnt[k] else float("nan")) for k in tot}
+
+
+def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[Encoded], cfg: SimulatorConfig,
+          seed: int = 0, progress: bool = True) -> dict[str, Any]:
+    """Optimise the Eq. 5 loss; returns losses before/after and the per-step training curve."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    before = evaluate(model, val_data, pad) if val_data else {}
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=0.0)
+    steps_per_epoch = (len(train_data) + cfg.sft_batch_size - 1) // cfg.sft_batch_size
+    curve: list[float] = []
+    tokens, t0 = 0, time.monotonic()
+    model.train()
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("train-mexp"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
+                  TimeRemainingColumn(), disable=not progress) as bar:
+        job = bar.add_task("sft", total=steps_per_epoch * cfg.sft_epochs, loss="-")
+        for _epoch in range(cfg.sft_epochs):
+            order = list(range(len(train_data)))
+            rng.shuffle(order)
+            for i in range(0, len(order), cfg.sft_batch_size):
+                batch = _collate([train_data[j] for j in order[i:i + cfg.sft_batch_size]], pad)
+                nll, reas, rest = token_losses(model, batch)
+                target = reas | rest
+                loss = nll[target].sum() / target.sum().clamp(min=1)  # Eq. 5, token-mean over the target
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+                tokens += int(batch["attention_mask"].sum())
+                curve.append(float(loss))
+                bar.update(job, advance=1, loss=f"{float(loss):.3f}")
+    seconds = time.monotonic() - t0
+    model.eval()
+    after = evaluate(model, val_data, pad) if val_data else {}
+    return {"before": before, "after": after, "train_curve": curve, "train_seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds else 0.0}
+
+
+def prepare_model(base: str, lora_rank: int) -> tuple[Any, Any]:
+    from infra.model_loading import load_model
+
+    model, tokenizer = load_model(base or "smollm2")
+    if lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    return model, tokenizer
+
+
+def save(model: Any, tokenizer: Any, out_dir: Path) -> Path:
+    """A plain HF directory (LoRA merged) that `/update_weights_from_disk` and `load_model` accept."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, family: str = "textworld",
+            seed: int = 0, progress: bool = True) -> dict[str, Any]:
+    """Load the offline data, build examples with retrieval, train, save; returns the report."""
+    from simulator.embedder import Embedder
+    from simulator.replay_buffer import EdgeBuffer, seed_buffer
+
+    trajs = load_offline(data_dir, family)
+    train_trajs, held_trajs = split_trajectories(trajs, cfg.heldout_frac, data_dir, family)
+    model, tokenizer = prepare_model(cfg.checkpoint, cfg.sft_lora_rank)
+    embedder = Embedder(cache_path=Path(data_dir) / ".cache" / "embeddings.sqlite")
+    with tempfile.TemporaryDirectory(prefix="mexp-sft-buffer-") as tmp:
+        buffer = EdgeBuffer(Path(tmp) / "edge", embedder) if cfg.retrieval else None
+        if buffer is not None:
+            seed_buffer(buffer, train_trajs)
+        train_ex = build_examples(train_trajs, tokenizer, cfg, buffer)
+        val_ex = build_examples(held_trajs, tokenizer, cfg, buffer)
+        if buffer is not None:
+            buffer.close()
+    embedder.close()
+    if cfg.sft_max_examples:
+        random.Random(seed).shuffle(train_ex)
+        train_ex = train_ex[:cfg.sft_max_examples]
+    enc_train = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in train_ex) if e is not None]
+    enc_val = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in val_ex) if e is not None]
+    log.info("Mexp SFT: %d train / %d held-out examples (%d / %d skipped as longer than %d tokens)",
+             len(enc_train), len(enc_val), len(train_ex) - len(enc_train), len(val_ex) - len(enc_val), cfg.sft_max_len)
+    if not enc_train:
+        raise ValueError("no training examples fit sft_max_len; raise simulator.sft_max_len")
+    report = train(model, tokenizer, enc_train, enc_val, cfg, seed, progress)
+    out = save(model, tokenizer, Path(out_dir))
+    report.update({"checkpoint": str(out), "train_examples": len(enc_train), "heldout_examples": len(enc_val),
+                   "train_tasks": len({t.task_id for t in train_trajs}),
+                   "heldout_tasks": len({t.task_id for t in held_trajs}),
+                   "mean_prompt_tokens": sum(e.labels.count(IGNORE) for e in enc_train) / len(enc_train)})
+    (out / "sft_report.json").write_text(json.dumps({k: v for k, v in report.items() if k != "train_curve"}, indent=1))
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from infra.cli import add_config_arguments
+
+    add_config_arguments(p)
+    p.add_argument("--family", default="textworld", help="offline dataset family (default: %(default)s)")
+    p.add_argument("--out", default="", help="checkpoint directory (default: <run_dir>/mexp)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from infra.cli import config_from_args
+
+    cfg = config_from_args(args)
+    out = Path(args.out or Path(cfg.infra.run_dir) / "mexp")
+    report = run_sft(cfg.simulator, cfg.infra.data_dir, out, args.family, cfg.infra.seed, not args.no_progress)
+    table = Table(title=f"Mexp SFT -> {report['checkpoint']}")
+    table.add_column("held-out loss")
+    table.add_column("before")
+    table.add_column("after")
+    for k in ("loss_all", "loss_reasoning", "loss_state"):
+        table.add_row(k, f"{report['before'].get(k, float('nan')):.4f}", f"{report['after'].get(k, float('nan')):.4f}")
+    Console().print(table)
+    Console().print(f"{report['train_examples']} train / {report['heldout_examples']} held-out examples, "
+                    f"{report['train_seconds']:.0f} s at {report['tokens_per_second']:.0f} tokens/s")
+    return 0
