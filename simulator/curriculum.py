@@ -276,6 +276,7 @@ class CurriculumScheduler:
         return await with_retry(op, "task stream backlog")
 
     async def push_batch(self) -> list[Task]:
+        """Hand out the next batch and XADD it to the task stream; returns what was pushed."""
         batch = await self.next_batch()
         if self.limit is not None:
             batch = batch[: self.limit - self.pushed]
@@ -288,8 +289,7 @@ class CurriculumScheduler:
         if not self._started:
             await self.start()
         while not stop_event.is_set() and (self.limit is None or self.pushed < self.limit):
-            if await self.backlog() < self.cfg.max_backlog:
-                await self.push_batch()
+            if await self.backlog() < self.cfg.max_backlog and await self.push_batch():
                 continue
             try:
                 await asyncio.wait_for(stop_event.wait(), self.poll_s)

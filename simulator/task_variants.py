@@ -169,6 +169,7 @@ class TaskVariantGenerator:
         self.client, self.tokenizer, self.cfg = client, tokenizer, cfg
         self.embedder, self.start_state = embedder, start_state
         self.last_round = VariantRound()
+        self._vectors: dict[str, np.ndarray] = {}
 
     def prompt(self, seed: Task) -> str:
         return self.tokenizer.apply_chat_template(build_messages(seed), tokenize=False, add_generation_prompt=True)
@@ -203,10 +204,10 @@ class TaskVariantGenerator:
             parsed.append((seed, instr, raw))
 
         known = [t.instruction for t in existing]
-        known_vecs = self.embedder.embed(known) if known else np.zeros((0, 1), dtype=np.float32)
+        known_vecs = await self._embed(known)
+        new_vecs = await self._embed([instr for _, instr, _ in parsed])
         known_norm = {_norm(t) for t in known}
-        for seed, instr, raw in parsed:
-            vec = self.embedder.embed([instr])[0]
+        for (seed, instr, raw), vec in zip(parsed, new_vecs):
             sim = float((known_vecs @ vec).max()) if len(known_vecs) else 0.0
             if _norm(instr) in known_norm or sim >= self.cfg.duplicate_threshold:
                 reject(seed, "duplicate", f"cosine {sim:.3f} >= {self.cfg.duplicate_threshold}", raw)
@@ -221,9 +222,20 @@ class TaskVariantGenerator:
                 continue
             out.accepted.append(why)
             metrics.CURRICULUM_VARIANTS.labels("accepted").inc()
-            known_vecs = np.vstack([known_vecs.reshape(-1, vec.shape[0]), vec[None]]) if len(known_vecs) else vec[None]
+            known_vecs = np.vstack([known_vecs, vec[None]]) if len(known_vecs) else vec[None]
             known_norm.add(_norm(instr))
         return out
+
+    async def _embed(self, texts: list[str]) -> np.ndarray:
+        """Embeddings, memoised per text (the pool is re-checked every round) and computed off the event
+        loop (an embedded engine may be serving on it)."""
+        todo = list(dict.fromkeys(t for t in texts if t not in self._vectors))
+        if todo:
+            for t, v in zip(todo, await asyncio.to_thread(self.embedder.embed, todo)):
+                self._vectors[t] = np.asarray(v, dtype=np.float32)
+        if not texts:
+            return np.zeros((0, 0), dtype=np.float32)
+        return np.stack([self._vectors[t] for t in texts])
 
     async def _feasibility(self, seed: Task, task: Task) -> Task | str:
         """The task with its initial state if the simulator can start it, else the reason it cannot."""

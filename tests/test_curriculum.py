@@ -193,3 +193,30 @@ async def test_run_pushes_batches_with_backpressure(redis_url):
     assert len(entries) == 4  # stopped at max_backlog: nobody consumed
     assert all(decode_as(f[b"d"], Task).task_id.startswith("seed-") for _, f in entries)
     await client.aclose()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_scheduler_actor_pushes_batches_and_checkpoints(redis_url):
+    from infra.cluster.runtime import init_ray, shutdown_ray
+    from infra.cluster.scheduler_actor import spawn_scheduler
+
+    import sys
+
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ship AlwaysVariants by value
+    init_ray(num_cpus=2, memory_bytes=1024 ** 3, object_store_bytes=96 * 1024 ** 2)
+    try:
+        cfg = CurriculumConfig(batch_size=2, lam=0.5, generate_every=1, seeds_per_round=1, max_backlog=6)
+        actor = spawn_scheduler(redis_url, "act", cfg, _seeds(3), make_variants=AlwaysVariants, seed=1,
+                                options={"num_cpus": 0}, limit=6)
+        status = await actor.run.remote()
+        assert status["handed_out"] == 6 and status["pool"] >= 3
+        client = connect(redis_url)
+        assert await client.xlen(tasks_stream("act")) == 6
+        state = await actor.state_dict.remote()
+        assert state["counters"]["pushed"] == 6 and len(state["pool"]) >= status["pool"] > 3
+        await client.aclose()
+    finally:
+        shutdown_ray()
