@@ -28,16 +28,6 @@ STATE = "Room: Kitchen. You see a table with a coin.\nInventory: nothing\nAction
 CANDS = ["go north", "take coin", "open door"]
 
 
-class RecordingEngines:
-    """Stands in for the policy engines' update call; records what it was told."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, int]] = []
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        self.calls.append((model_path, weight_version))
-
-
 def make_traj(tok, model, group_id, reward, version=0, n_steps=2, status=None, task_id="t1"):
     task = Task(task_id, "take the coin")
     steps = []
@@ -87,8 +77,8 @@ async def run_until_update(learner, tries=20):
 async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_policy, tmp_path):
     model, tok = smollm2
     client, producer, consumer, stream = await make_consumer(redis_url)
-    engines = RecordingEngines()
-    learner = Learner(cfg(), "smollm2", tmp_path, consumer, WeightPublisher(tmp_path, engines),
+    # Publishing to a real engine is covered in test_policy.py; here the weights go to disk only.
+    learner = Learner(cfg(), "smollm2", tmp_path, consumer, WeightPublisher(tmp_path),
                       group_size=2, policy=lora_policy, read_block_ms=50)
     before = {n: p.detach().clone() for n, p in lora_policy.named_parameters() if p.requires_grad}
 
@@ -106,7 +96,7 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     assert changed, "no trainable parameter moved"
     assert learner.consumed_ids == [a[0].trajectory_id, a[1].trajectory_id]
     assert s1.discarded == {"zero_variance": 2, "broken": 2}
-    assert engines.calls and engines.calls[-1][1] == 1 and published_versions(tmp_path) == [1]
+    assert published_versions(tmp_path) == [1]
 
     # Version 1 now, max_staleness 0: a version-0 group is stale, a version-1 group trains.
     d = [make_traj(tok, model, "D", 1.0, version=0), make_traj(tok, model, "D", 0.0, version=0)]
