@@ -193,7 +193,7 @@ class CurriculumConfig:
     max_children: int = _f(4, "Most variants generated from one parent task.", NON_NEGATIVE)
     max_backlog: int = _f(8, "The scheduler pushes while fewer tasks than this wait undelivered on the task stream.", POSITIVE)
     variant_temperature: float = _f(0.9, "Mtask sampling temperature.", NON_NEGATIVE)
-    variant_max_new_tokens: int = _f(48, "Cap on Mtask output tokens per variant.", POSITIVE)
+    variant_max_new_tokens: int = _f(96, "Cap on Mtask output tokens per variant (a line cut off at the cap is dropped).", POSITIVE)
 
 
 @dataclass

@@ -5,7 +5,7 @@ its reply, and the checks a variant passes before it joins the pool:
 
 1. it parses: one instruction line, forgiving of harmless formatting (a "Task:" /
    "New task:" label or none, bullets, numbering, markdown, quotes, a chatty
-   preamble line), strict on content (3-40 words, mostly letters, no tags or
+   preamble line), strict on content (no line cut off at the token cap, 3-200 words, mostly letters, no tags or
    placeholders, not a question, not the seed itself);
 2. it is not a duplicate: MiniLM cosine to every task in the pool and to the
    variants accepted earlier in the round stays below `duplicate_threshold`;
@@ -61,6 +61,10 @@ class VariantParseError(ValueError):
     """The reply holds no usable task instruction."""
 
 
+class CutOffReply(str):
+    """A reply the engine stopped at max_new_tokens: its last instruction may be half a sentence."""
+
+
 class Embedder(Protocol):
     def embed(self, texts: list[str]) -> np.ndarray: ...  # (n, d) float32, rows unit-norm
 
@@ -105,8 +109,8 @@ def parse_variant(text: str) -> str:
 def check_instruction(instr: str) -> None:
     """Content rules for an instruction (raises VariantParseError)."""
     words = instr.split()
-    if not 3 <= len(words) <= 40:
-        raise VariantParseError(f"{len(words)} words; expected 3-40")
+    if not 3 <= len(words) <= 200:  # TextWorld objectives run to ~150 words
+        raise VariantParseError(f"{len(words)} words; expected 3-200")
     letters = sum(c.isalpha() for c in instr)
     if letters < 0.6 * len(instr.replace(" ", "")):
         raise VariantParseError("mostly not letters")
@@ -177,11 +181,15 @@ class TaskVariantGenerator:
     async def propose(self, seeds: list[Task]) -> list[tuple[Task, str | BaseException]]:
         """`variants_per_seed` raw replies per seed, all requests in flight together."""
         sp = {"max_new_tokens": self.cfg.variant_max_new_tokens, "temperature": self.cfg.variant_temperature,
-              "top_p": 0.95, "stop": ["\n\n"]}
+              "top_p": 0.95}
         jobs = [(s, self.prompt(s)) for s in seeds for _ in range(self.cfg.variants_per_seed)]
         results = await asyncio.gather(*(self.client.generate(p, sampling_params=sp, affinity_key=s.task_id)
                                          for s, p in jobs), return_exceptions=True)
-        return [(s, r if isinstance(r, BaseException) else r.text) for (s, _), r in zip(jobs, results)]
+        def raw(r: Any) -> str | BaseException:
+            if isinstance(r, BaseException):
+                return r
+            return CutOffReply(r.text) if str(r.finish_reason) == "length" else r.text
+        return [(s, raw(r)) for (s, _), r in zip(jobs, results)]
 
     async def validate(self, proposals: list[tuple[Task, str | BaseException]], existing: list[Task]) -> VariantRound:
         """Parse, dedupe and feasibility-check raw replies; every outcome is counted."""
@@ -197,7 +205,9 @@ class TaskVariantGenerator:
                 reject(seed, "engine_error", f"{type(raw).__name__}: {raw}")
                 continue
             try:
-                instr = parse_variant(raw)
+                # A reply cut at the token cap loses its unfinished last line, never half an instruction.
+                instr = parse_variant(raw.rsplit("\n", 1)[0] if "\n" in raw else "") if isinstance(raw, CutOffReply) \
+                    else parse_variant(raw)
             except VariantParseError as exc:
                 reject(seed, "unparseable", str(exc), raw)
                 continue

@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 from actors.envs.base import validate_state
 from infra.config import CurriculumConfig
 from infra.schema import Task
-from simulator.task_variants import (TaskVariantGenerator, VariantParseError, build_messages, derive_initial_state,
+from simulator.task_variants import (CutOffReply, TaskVariantGenerator, VariantParseError, build_messages, derive_initial_state,
                                      parse_variant)
 
 KITCHEN = """Goal: take the red key from the table
@@ -38,7 +38,7 @@ def test_parser_is_forgiving_of_formatting(reply, expected):
 
 @pytest.mark.parametrize("reply", ["", "   \n ", "Task:", "Task: go", "Task: what should I take from the table?",
                                    "Task: take [object] from [place]", "Task: 1234 5678 9999 ####",
-                                   "Task: " + "word " * 60])
+                                   "Task: " + "word " * 220])
 def test_parser_is_strict_on_content(reply):
     with pytest.raises(VariantParseError):
         parse_variant(reply)
@@ -81,10 +81,13 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
         (BARE, "Task: click the Submit button twice then Cancel"),             # simulator starts it
         (BARE, "Task: drag the slider all the way right"),                     # simulator cannot start it
         (BARE, TimeoutError("engine down")),
+        (BARE, CutOffReply("Task: click the Submit button and then the")),
+        (BARE, CutOffReply("Task: click the Cancel button on the Submit form\nActions the agent can")),
     ]
     r = await gen.validate(proposals, existing)
     assert [t.instruction for t in r.accepted] == ["take the blue key from the table",
-                                                   "click the Submit button twice then Cancel"]
+                                                   "click the Submit button twice then Cancel",
+                                                   "click the Cancel button on the Submit form"]
     why = {x.raw or x.detail: (x.reason, x.detail) for x in r.rejected}
     assert why["Task: [1] ???"][0] == "unparseable"
     assert why["Task: Take the red key from the table."][0] == "duplicate"
@@ -94,17 +97,18 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
     assert why["Task: drag the slider all the way right"][0] == "infeasible"
     assert "invalid" in why["Task: drag the slider all the way right"][1]
     assert why["TimeoutError: engine down"][0] == "engine_error"
-    assert len(r.rejected) == 6
-    kitchen, web = r.accepted
+    assert why["Task: click the Submit button and then the"][0] == "unparseable"  # its only line was cut
+    assert len(r.rejected) == 7
+    kitchen, web, _ = r.accepted
     assert kitchen.parent_id == "tw-1" and kitchen.generated and kitchen.meta["depth"] == 1
     assert kitchen.initial_state.startswith("Goal: take the blue key") and kitchen.meta["initial_state_from"] == "parent"
     assert web.parent_id == "web-1" and validate_state(web.initial_state).items[0] == (1, "button 'Submit'")
-    assert _count("accepted") - before["accepted"] == 2
+    assert _count("accepted") - before["accepted"] == 3
     assert _count("duplicate") - before["duplicate"] == 2
     assert _count("infeasible") - before["infeasible"] == 2
-    assert _count("unparseable") - before["unparseable"] == 1
+    assert _count("unparseable") - before["unparseable"] == 2
     assert _count("engine_error") - before["engine_error"] == 1
-    assert r.acceptance_rate == pytest.approx(2 / 8)
+    assert r.acceptance_rate == pytest.approx(3 / 10)
 
 
 @pytest.mark.slow
