@@ -143,11 +143,16 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"{len(splits.train)} train / {len(splits.heldout)} held-out tasks ({time.perf_counter() - t0:.1f} s); "
                   f"splits: {splits_path(data_dir, args.family)}")
     policies = list(cfg.data.policies)
+    workers = cfg.data.workers
+    if args.family == "miniwob":  # one browser per worker process; size the pool by memory
+        from actors.envs.miniwob_env import browsers_that_fit
+
+        workers = min(workers, browsers_that_fit())
     total = len(tasks) * len(policies) * cfg.data.episodes_per_task
     with Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
         bar = prog.add_task("episodes", total=total)
         trajs = collect(args.family, tasks, policies, cfg.data.episodes_per_task, cfg.data.noise_eps,
-                        cfg.data.max_steps, cfg.data.workers, seed=cfg.infra.seed,
+                        cfg.data.max_steps, workers, seed=cfg.infra.seed,
                         progress=lambda n: prog.advance(bar, n))
     if cfg.data.teacher_endpoint:
         n = asyncio.run(_teacher_rationales(trajs, cfg.data.teacher_endpoint, cfg.data.teacher_model))

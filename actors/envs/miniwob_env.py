@@ -138,6 +138,17 @@ def page_items(dom_elements: Any) -> list[Item]:
     return items[:MAX_ITEMS]
 
 
+def page_candidates(items: list[Item], type_values: list[str]) -> list[str]:
+    """base.candidate_actions, plus a click on each typeable element (focusing is an action too)."""
+    values = list(dict.fromkeys(type_values))
+    out = []
+    for it in items:
+        if it.tag in TYPEABLE_TAGS:
+            out.append(f"click [{it.ref}]")
+        out += candidate_actions(AbstractState("", [(it.ref, it.render())]), values)
+    return out
+
+
 def render_page(utterance: str, items: list[Item], status: str = "") -> str:
     desc = f"Task: {' '.join(str(utterance).split())}"
     if status:
@@ -226,6 +237,16 @@ def expert_action(subdomain: str, fields: dict[str, str], items: list[Item], his
     return None
 
 
+def browsers_that_fit(reserve_mb: int = 2048) -> int:
+    """How many ~BROWSER_MB browsers the available memory holds after `reserve_mb` (at least 1)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            avail_kb = next(int(line.split()[1]) for line in fh if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 1
+    return max(1, (avail_kb // 1024 - reserve_mb) // BROWSER_MB)
+
+
 def subdomain_of(task: Task) -> str:
     name = task.game_file or task.family
     name = name.split("/", 1)[1] if "/" in name else name
@@ -281,9 +302,8 @@ class MiniWoBEnv:
 
     # --- sync core -----------------------------------------------------------
     def _info(self, valid: bool, **extra: Any) -> dict[str, Any]:
-        st = AbstractState.parse(self.state)
         move = None if self.done else expert_action(self._subdomain, self.fields, self.items, self.history)
-        return {"candidates": candidate_actions(st, list(dict.fromkeys(self.fields.values()))), "valid": valid,
+        return {"candidates": page_candidates(self.items, list(self.fields.values())), "valid": valid,
                 "won": self.won, "invalid_actions": self.invalid, "expert_action": move, "steps": self.steps, **extra}
 
     def reset_sync(self, task: Task) -> tuple[str, dict[str, Any]]:

@@ -172,7 +172,7 @@ def _room(description: str) -> str:
     body = " ".join(text[m.end():].split()) if m else " ".join(text.split())
     if len(body) > DESCRIPTION_CHARS:
         cut = body[:DESCRIPTION_CHARS]
-        body = cut[: cut.rfind(".") + 1] if "." in cut else cut + "…"
+        body = cut[: cut.rfind(".") + 1] if "." in cut else cut + "..."
     return f"{name}. {body}".strip()
 
 
