@@ -9,7 +9,9 @@ An action that is not one of the current state's candidates is answered without
 calling Mexp: the unchanged state prefixed with "Invalid action", reward 0,
 `info["valid"] = False`, as a real environment would. `[n]` picks item n.
 A step whose Mexp output is rejected after the retry budget raises
-`MexpRejected`; the rollout worker ends the episode with status `sim_error`.
+`MexpRejected` (the rollout worker ends the episode with status `sim_error`), or,
+with `on_reject="end"` (for gymnasium tooling, which expects `step` never to
+raise), ends the episode: unchanged state, reward 0, done, `info["sim_error"]`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from actors.envs.base import AbstractState, StateFormatError, StepResult, candidate_actions, invalid_observation
 from infra.schema import Task, new_id
-from simulator.experience_model import ExperienceModel
+from simulator.experience_model import ExperienceModel, MexpRejected
 
 
 def _type_values(task: Task) -> list[str]:
@@ -33,9 +35,12 @@ def _type_values(task: Task) -> list[str]:
 class SyntheticEnv:
     """Environment interface over an ExperienceModel."""
 
-    def __init__(self, mexp: ExperienceModel, max_steps: int = 8) -> None:
+    def __init__(self, mexp: ExperienceModel, max_steps: int = 8, on_reject: str = "raise") -> None:
+        if on_reject not in ("raise", "end"):
+            raise ValueError(f"on_reject must be 'raise' or 'end', got {on_reject!r}")
         self.mexp = mexp
         self.max_steps = max_steps
+        self.on_reject = on_reject
         self.task: Task | None = None
         self.state = ""
         self.history: list[str] = []
@@ -81,7 +86,13 @@ class SyntheticEnv:
             self.done = truncated
             obs = invalid_observation(self.state, str(action), "not one of the available actions")
             return StepResult(obs, 0.0, truncated, {**info, "valid": False, "truncated": truncated})
-        out = await self.mexp.step(self.task, self.history, self.state, chosen, self.episode_id)
+        try:
+            out = await self.mexp.step(self.task, self.history, self.state, chosen, self.episode_id)
+        except MexpRejected as exc:
+            if self.on_reject == "raise":
+                raise
+            self.done = True
+            return StepResult(self.state, 0.0, True, {**info, "sim_error": True, "reason": str(exc)})
         self.history.append(chosen)
         self.state = out.next_state
         self.done = out.done or truncated

@@ -1,0 +1,212 @@
+"""ExperienceModel and SyntheticEnv: prompt, retrieval, retries and rejection, episodes, gymnasium's checker.
+
+The step logic is driven by a scripted engine client (fixed Mexp replies: the only way
+to make a model's output exactly what a test needs); the real embedded engine with
+SmolLM2 checks the same paths end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from infra import metrics
+from infra.config import SimulatorConfig
+from infra.schema import Task
+from simulator.embedder import Embedder
+from simulator.experience_model import ExperienceModel, MexpRejected
+from simulator.replay_buffer import EdgeBuffer, Transition
+from simulator.synthetic_env import SyntheticEnv
+
+GOAL = "Goal: put the apple in the fridge"
+START = f"{GOAL}\nRoom: Kitchen. A fridge.\nInventory: an apple\nActions:\n[1] open fridge\n[2] go east"
+OPENED = "Room: Kitchen. The fridge is open.\nInventory: an apple\nActions:\n[1] put apple in fridge\n[2] close fridge"
+GOOD = f"fridge opens</think>\n<state>\n{OPENED}\n</state>\n<reward>0</reward>\n<done>false"
+WIN = "apple stored</think><state>\nRoom: Kitchen.\nActions:\n[1] close fridge\n</state><reward>1</reward><done>true"
+TASK = Task("t-fridge", "put the apple in the fridge", initial_state=START)
+
+
+@dataclass
+class _Result:
+    text: str
+    finish_reason: str = "stop"
+    output_ids: list = field(default_factory=list)
+
+
+class ScriptedClient:
+    """Replies with the given texts in turn (the engine strips the stop string, as SGLang does)."""
+
+    def __init__(self, replies: list[str]):
+        self.replies, self.prompts, self.params = list(replies), [], []
+
+    async def generate(self, prompt=None, *, sampling_params=None, affinity_key=None, **_kw):
+        self.prompts.append(prompt)
+        self.params.append(sampling_params)
+        return _Result(self.replies.pop(0))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from infra.model_loading import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def buffer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("buf")
+    buf = EdgeBuffer(path / "edge", Embedder(cache_path=path / "emb.sqlite"))
+    buf.add([Transition("t0", "cool the milk", START, "open fridge", "the fridge door swings open", OPENED, 0.0, False,
+                        "real", "other-episode"),
+             Transition("t0", "cool the milk", START, "open fridge", "SECRET own-episode effect", OPENED, 0.0, False,
+                        "real", "this-episode")])
+    yield buf
+    buf.close()
+
+
+def _count(counter, **labels) -> float:
+    return (counter.labels(**labels) if labels else counter)._value.get()
+
+
+@pytest.mark.slow
+async def test_step_parses_retrieves_and_restores_the_goal_line(tokenizer, buffer):
+    client = ScriptedClient([GOOD])
+    mexp = ExperienceModel(client, buffer, SimulatorConfig(top_k=2), tokenizer)
+    out = await mexp.step(TASK, ["look"], START, "open fridge", "this-episode")
+    assert out.next_state == f"{GOAL}\n{OPENED}" and out.reward == 0.0 and out.done is False
+    assert out.reasoning == "fridge opens"
+    prompt = client.prompts[0]
+    assert prompt.endswith("<think>") and "the fridge door swings open" in prompt
+    assert "SECRET" not in prompt  # the episode's own transitions are never retrieved
+    assert GOAL not in prompt.split("Current state:")[1]  # the goal line is factored out of states
+    assert client.params[0]["stop"] == ["</done>"]
+
+
+@pytest.mark.slow
+async def test_ablations_change_the_prompt(tokenizer, buffer):
+    client = ScriptedClient([f"\n{OPENED}\n</state><reward>0</reward><done>false"])
+    mexp = ExperienceModel(client, buffer, SimulatorConfig(retrieval=False, reasoning=False), tokenizer)
+    out = await mexp.step(TASK, [], START, "open fridge", "e1")
+    assert out.reasoning == "" and out.next_state.endswith(OPENED)
+    assert client.prompts[0].endswith("<state>") and "Similar past transitions" not in client.prompts[0]
+    assert "<think>" not in client.prompts[0]
+
+
+@pytest.mark.slow
+async def test_retries_then_rejects_and_counts(tokenizer):
+    cfg = SimulatorConfig(parse_retries=2, retrieval=False)
+    before_rej = _count(metrics.SIMULATOR_REJECTED_STEPS)
+    before_state = _count(metrics.SIMULATOR_PARSE_FAILURES, reason="state")
+    ok = ExperienceModel(ScriptedClient(["junk", "x</think><state>no items</state><reward>0</reward><done>true", GOOD]),
+                         None, cfg, tokenizer)
+    assert (await ok.step(TASK, [], START, "open fridge", "e")).next_state.endswith(OPENED)
+    assert ok.attempts == 3 and ok.parse_failures == 2
+    bad = ExperienceModel(ScriptedClient(["junk"] * 3), None, cfg, tokenizer)
+    with pytest.raises(MexpRejected) as err:
+        await bad.step(TASK, [], START, "open fridge", "e")
+    assert err.value.reasons == ["structure"] * 3
+    assert _count(metrics.SIMULATOR_REJECTED_STEPS) == before_rej + 1
+    assert _count(metrics.SIMULATOR_PARSE_FAILURES, reason="state") == before_state + 1
+
+
+@pytest.mark.slow
+async def test_synthetic_episode_invalid_actions_win_and_truncation(tokenizer):
+    client = ScriptedClient([GOOD, WIN])
+    env = SyntheticEnv(ExperienceModel(client, None, SimulatorConfig(retrieval=False), tokenizer), max_steps=3)
+    state, info = await env.reset(TASK)
+    assert state == START and info["candidates"] == ["open fridge", "go east"]
+    res = await env.step("dance")  # not a candidate: answered without Mexp
+    assert not res.info["valid"] and res.state.startswith("Invalid action") and client.prompts == []
+    res = await env.step("[1]")  # item 1 = "open fridge"
+    assert res.info["candidates"] == ["put apple in fridge", "close fridge"] and not res.done
+    assert res.info["reasoning"] == "fridge opens"
+    res = await env.step("put apple in fridge")
+    assert res.done and res.reward == 1.0 and res.info["won"]
+    assert "Previous actions: open fridge" in client.prompts[1]
+
+    client = ScriptedClient([GOOD, GOOD])
+    env = SyntheticEnv(ExperienceModel(client, None, SimulatorConfig(retrieval=False), tokenizer), max_steps=2)
+    await env.reset(TASK)
+    assert not (await env.step("open fridge")).done
+    res = await env.step("close fridge")
+    assert res.done and res.info["truncated"] and not res.info["won"]
+
+
+@pytest.mark.slow
+async def test_initial_state_invented_when_the_task_has_none(tokenizer):
+    client = ScriptedClient([f"\nRoom: Hall.\nActions:\n[1] go north\n"])
+    mexp = ExperienceModel(client, None, SimulatorConfig(), tokenizer)
+    state = await mexp.initial_state(Task("t2", "find the hall"))
+    assert state == "Room: Hall.\nActions:\n[1] go north"
+    assert await mexp.initial_state(TASK) == START  # a real initial state is used as is
+
+
+# ---------------------------------------------------------------- real engine
+@pytest.mark.slow
+@pytest.mark.model
+async def test_real_engine_step_is_parsed_or_rejected_and_counted(smollm2, buffer):
+    from infra.engine_client import EngineClient
+    from infra.engine_server import start_embedded_engine
+
+    model, tok = smollm2
+    engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=4)
+    try:
+        async with EngineClient([engine.url]) as client:
+            cut = ExperienceModel(client, buffer, SimulatorConfig(max_new_tokens=4, parse_retries=1), tok)
+            with pytest.raises(MexpRejected) as err:  # 4 tokens can never close the tags
+                await cut.step(TASK, [], START, "open fridge", "e")
+            assert len(err.value.reasons) == 2 and cut.attempts == 2
+            mexp = ExperienceModel(client, buffer, SimulatorConfig(max_new_tokens=160, parse_retries=0), tok)
+            try:
+                out = await mexp.step(TASK, [], START, "open fridge", "e")
+                assert out.next_state.startswith(GOAL)
+            except MexpRejected as exc:  # the untrained 135M model mostly misses the format
+                assert len(exc.reasons) == 1
+    finally:
+        await engine.stop()
+
+
+class _EngineThread:
+    """The embedded engine on its own event loop, for synchronous (gymnasium) callers."""
+
+    def __init__(self, loaded):
+        from infra.engine_server import start_embedded_engine
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.engine = asyncio.run_coroutine_threadsafe(
+            start_embedded_engine(loaded=loaded, max_batch_size=2), self.loop).result(120)
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.engine.stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_synthetic_env_passes_gymnasium_checker(smollm2):
+    from gymnasium.utils.env_checker import check_env
+
+    from actors.envs.gym_wrapper import DreamGymTextEnv
+    from infra.engine_client import EngineClient
+
+    model, tok = smollm2
+    server = _EngineThread((model, tok))
+    try:
+        client = EngineClient([server.engine.url])
+        cfg = SimulatorConfig(retrieval=False, temperature=0.0, max_new_tokens=8, parse_retries=0)
+        env = DreamGymTextEnv(SyntheticEnv(ExperienceModel(client, None, cfg, tok), max_steps=3, on_reject="end"),
+                              [TASK], max_actions=4)
+        check_env(env, skip_render_check=True)
+        obs, info = env.reset(seed=0)
+        assert obs == START and info["candidates"] == ["open fridge", "go east"]
+        env._loop.run_until_complete(client.close())
+        env.close()
+    finally:
+        server.stop()
