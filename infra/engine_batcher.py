@@ -46,6 +46,10 @@ class RequestError(ValueError):
     """A generation request that cannot be served as given (the server answers 400)."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine stopped before the request finished (the server answers 503)."""
+
+
 @dataclass
 class SamplingParams:
     """SGLang's sampling parameters (the subset the embedded engine implements)."""
@@ -175,6 +179,7 @@ class Batcher:
         self._next: torch.Tensor | None = None  # [B] token to feed at the next step
         self.steps = 0
         self.max_batch_seen = 0
+        self.requests_total = 0
 
     # --- public, any thread ---
     def start(self) -> None:
@@ -189,7 +194,7 @@ class Batcher:
             self._thread.join(timeout=30)
         for req in list(self._queue) + self._running:
             if not req.future.done():
-                req.future.set_exception(RuntimeError("engine stopped"))
+                req.future.set_exception(EngineStopped("engine stopped"))
 
     def submit(self, req: GenRequest) -> concurrent.futures.Future:
         total = len(req.input_ids) + req.params.max_new_tokens
@@ -207,8 +212,9 @@ class Batcher:
             req.generator = torch.Generator().manual_seed(req.params.seed)
         with self._cv:
             if self._stopping:
-                raise RuntimeError("engine stopped")
+                raise EngineStopped("engine stopped")
             self._queue.append(req)
+            self.requests_total += 1
             ENGINE_QUEUE_DEPTH.set(len(self._queue) + len(self._running))
             self._cv.notify_all()
         return req.future

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from infra.engine_batcher import Batcher, GenOutput, GenRequest, RequestError, SamplingParams
+from infra.engine_batcher import Batcher, EngineStopped, GenOutput, GenRequest, RequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class EngineApp:
             return await handler(request)
         except RequestError as exc:
             return _error(400, str(exc))
+        except EngineStopped as exc:
+            return _error(503, str(exc))
         except web.HTTPException as exc:
             if exc.status >= 400:
                 return _error(exc.status, exc.reason)
@@ -245,8 +247,9 @@ class EngineHandle:
     app: EngineApp = field(repr=False)
 
     async def stop(self) -> None:
-        await self.runner.cleanup()
+        """Stop at once: requests in flight fail with 503 (a client fails them over), then the socket closes."""
         await asyncio.to_thread(self.batcher.stop)
+        await self.runner.cleanup()
 
 
 def _limit_threads() -> None:
