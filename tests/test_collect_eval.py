@@ -1,0 +1,116 @@
+"""Offline collection and held-out evaluation: the Wilson interval against a brute-force
+reference, trajectory files and task splits round-tripping through the schema, and
+`dreamgym collect` / `dreamgym eval` end to end on tiny real TextWorld games."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from actors.dataset import TaskSplits, read_trajectories, splits_path, trajectories_path, write_trajectories
+from actors.evaluate import wilson_interval
+from infra.schema import EnvKind, SchemaError, Status, Step, Task, Trajectory, encode
+
+
+def _wilson_reference(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The interval's definition, solved by bisection: all p with |p_hat - p| <= z sqrt(p(1-p)/n)."""
+    p_hat = k / n
+
+    def inside(p: float) -> bool:
+        return (p_hat - p) ** 2 <= z * z * p * (1 - p) / n + 1e-15
+
+    def edge(lo: float, hi: float, want_inside_at_hi: bool) -> float:
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if inside(mid) == want_inside_at_hi:
+                hi = mid
+            else:
+                lo = mid
+        return (lo + hi) / 2
+
+    low = 0.0 if inside(0.0) else edge(0.0, p_hat, True)
+    high = 1.0 if inside(1.0) else edge(p_hat, 1.0, False)
+    return low, high
+
+
+@pytest.mark.parametrize("k,n", [(0, 1), (0, 10), (3, 10), (5, 10), (10, 10), (17, 40), (1, 200)])
+def test_wilson_interval_matches_its_definition(k, n):
+    lo, hi = wilson_interval(k, n)
+    rlo, rhi = _wilson_reference(k, n)
+    assert math.isclose(lo, rlo, abs_tol=1e-9) and math.isclose(hi, rhi, abs_tol=1e-9)
+    assert lo <= k / n <= hi
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+
+
+def _traj(i: int) -> Trajectory:
+    task = Task(task_id=f"t{i}", instruction="do it", family="custom", game_file="/x.z8", seed=i)
+    steps = [Step(state="Goal: g\nActions:\n[1] a", action="[1]", reward=1.0, done=True, next_state="Goal: g\nActions:\n[1] b",
+                  reasoning="a: now x", reasoning_source="env-facts")]
+    return Trajectory(task_id=f"t{i}", group_id="g", steps=steps, env_kind=EnvKind.REAL, status=Status.SUCCESS,
+                      success=True, task=task, timings={"policy_name": "expert"})
+
+
+def test_trajectory_file_round_trip_and_corruption(tmp_path):
+    path = tmp_path / "offline" / "tw" / "trajectories.msgpack"
+    assert write_trajectories(path, [_traj(0), _traj(1)]) == 2
+    assert write_trajectories(path, [_traj(2)], append=True) == 1
+    back = list(read_trajectories(path))
+    assert [t.task_id for t in back] == ["t0", "t1", "t2"]
+    assert back[0].steps[0].reasoning_source == "env-facts" and back[0].task.family == "custom"
+    assert back[1].steps == _traj(1).steps and back[1].status == Status.SUCCESS
+
+    good = path.read_bytes()
+    (tmp_path / "trunc.msgpack").write_bytes(good[:-5])
+    with pytest.raises(SchemaError):
+        list(read_trajectories(tmp_path / "trunc.msgpack"))
+    (tmp_path / "task.msgpack").write_bytes(good + encode(Task(task_id="x", instruction="y")))
+    with pytest.raises(SchemaError):
+        list(read_trajectories(tmp_path / "task.msgpack"))
+    (tmp_path / "junk.msgpack").write_bytes(b"\xc1\xc1\xc1")
+    with pytest.raises(SchemaError):
+        list(read_trajectories(tmp_path / "junk.msgpack"))
+
+
+def test_task_splits_round_trip(tmp_path):
+    splits = TaskSplits(train=[Task("a", "x", family="custom", meta={"fields": [["k", "v"]]})], heldout=[Task("b", "y")])
+    splits.save(tmp_path / "splits.json")
+    back = TaskSplits.load(tmp_path / "splits.json")
+    assert back == splits
+    (tmp_path / "bad.json").write_text("{\"train\": 3}")
+    with pytest.raises(SchemaError):
+        TaskSplits.load(tmp_path / "bad.json")
+
+
+@pytest.mark.slow
+def test_collect_and_eval_commands_end_to_end(tmp_path_factory, tmp_path):
+    from infra.cli import main
+
+    data = tmp_path_factory.getbasetemp() / "tw-data"  # shares the games cache with test_envs_textworld
+    overrides = [f"infra.data_dir={data}", f"infra.run_dir={tmp_path}", "data.textworld_games=3",
+                 "data.textworld_heldout=2", "data.textworld_families=[custom]",
+                 "data.textworld_heldout_families=[tw-cooking-1]", "data.workers=1", "data.max_steps=8"]
+    assert main(["collect", *overrides, "--family", "textworld", "--rebuild-splits"]) == 0
+    splits = TaskSplits.load(splits_path(data, "textworld"))
+    trajs = list(read_trajectories(trajectories_path(data, "textworld")))
+    assert len(trajs) == 3 * 3 * 2  # tasks x policies x episodes_per_task
+    assert {t.timings["policy_name"] for t in trajs} == {"expert", "noisy", "random"}
+    train_ids = {t.task_id for t in splits.train}
+    for t in trajs:
+        assert t.env_kind == EnvKind.REAL and t.task_id in train_ids and t.steps
+        assert all(s.next_state and s.reasoning and s.reasoning_source == "env-facts" for s in t.steps)
+        assert t.steps[-1].done
+    assert all(t.success for t in trajs if t.timings["policy_name"] == "expert")
+
+    reports = {}
+    for policy in ("expert", "random"):
+        out = tmp_path / f"{policy}.json"
+        assert main(["eval", *overrides, "--family", "textworld", "--policy", policy, "--out", str(out)]) == 0
+        reports[policy] = json.loads(out.read_text())
+    assert reports["expert"]["episodes"] == 2 and reports["expert"]["success_rate"] == 1.0
+    assert reports["random"]["success_rate"] <= reports["expert"]["success_rate"]
+    assert reports["random"]["mean_steps"] > reports["expert"]["mean_steps"]
+    assert 0.0 <= reports["expert"]["ci_low"] <= 1.0 <= reports["expert"]["ci_high"] + 1e-9
