@@ -71,6 +71,7 @@ class InfraConfig:
     stream_maxlen: int = _f(100_000, "Approximate MAXLEN bound of each stream (XADD MAXLEN ~).", POSITIVE)
     reclaim_idle_ms: int = _f(30_000, "A consumer's pending entry idle this long is reclaimed by another (XAUTOCLAIM).", POSITIVE)
     seed: int = _f(0, "Global random seed.")
+    train_budget_s: float = _f(0.0, "Wall-clock seconds the driver gives the RL phase (0 = until learner.total_updates); when spent, training stops and the evaluation runs.", NON_NEGATIVE)
 
 
 @dataclass
