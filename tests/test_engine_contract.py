@@ -1,0 +1,230 @@
+"""SGLang's native HTTP API, pinned: what our client sends and what our server answers.
+
+Shapes pinned from SGLang's own source and docs (sgl-project/sglang):
+- `python/sglang/srt/managers/io_struct.py`: `GenerateReqInput` (text, input_ids,
+  sampling_params, rid, return_logprob, logprob_start_len, top_logprobs_num,
+  token_ids_logprob, return_text_in_logprobs, stream, ...), `UpdateWeightFromDiskReqInput`
+  (model_path, load_format, abort_all_requests, weight_version: Optional[str], ...) and
+  `UpdateWeightFromDiskReqOutput` (success, message, num_paused_requests);
+- `docs/backend/sampling_params.md` (docs.sglang.ai "Sampling Parameters"):
+  max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, ignore_eos,
+  skip_special_tokens, sampling_seed, ...; `/generate` answers `{"text", "output_ids",
+  "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", "matched"|"length"},
+  "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs":
+  [[logprob, token_id, text|None], ...], "output_token_ids_logprobs": [[[logprob, token_id,
+  text|None], ...] per position], "weight_version": str}}`; a list of prompts gets a list.
+- `docs/basic_usage/native_api.md`: `/health` (200, empty), `/get_model_info`
+  (`model_path`, `tokenizer_path`, `is_generation`, ...).
+
+The fake SGLang server below is the only stand-in for SGLang in the project: it checks
+each request strictly against these shapes and answers in exactly SGLang's shape
+(including its string `weight_version`), so the client is tested against SGLang's
+contract rather than against our own server's leniency.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from infra.engine_client import EngineClient, parse_generate_response
+
+GENERATE_FIELDS = {
+    "text": (str, list), "input_ids": list, "sampling_params": (dict, list), "rid": (str, list),
+    "return_logprob": (bool, list), "logprob_start_len": (int, list), "top_logprobs_num": (int, list),
+    "token_ids_logprob": list, "return_text_in_logprobs": bool, "stream": bool, "lora_path": (str, list),
+}
+SAMPLING_FIELDS = {
+    "max_new_tokens": int, "stop": (str, list), "stop_token_ids": list, "temperature": (int, float),
+    "top_p": (int, float), "top_k": int, "min_p": (int, float), "frequency_penalty": (int, float),
+    "presence_penalty": (int, float), "repetition_penalty": (int, float), "min_new_tokens": int,
+    "ignore_eos": bool, "skip_special_tokens": bool, "spaces_between_special_tokens": bool, "no_stop_trim": bool,
+    "n": int, "sampling_seed": int, "json_schema": str, "regex": str, "ebnf": str,
+}
+UPDATE_FIELDS = {"model_path": str, "load_format": (str, type(None)), "abort_all_requests": bool,
+                 "weight_version": (str, type(None)), "is_async": bool, "torch_empty_cache": bool,
+                 "keep_pause": bool, "recapture_cuda_graph": bool, "token_step": int, "flush_cache": bool}
+
+
+def check_fields(obj: dict, pinned: dict, where: str) -> None:
+    assert isinstance(obj, dict), f"{where}: not an object"
+    for key, value in obj.items():
+        assert key in pinned, f"{where}: SGLang has no field {key!r}"
+        assert isinstance(value, pinned[key]) and not (pinned[key] is int and isinstance(value, bool)), \
+            f"{where}.{key}: {type(value).__name__} is not {pinned[key]}"
+
+
+def check_generate_request(body: dict) -> None:
+    check_fields(body, GENERATE_FIELDS, "GenerateReqInput")
+    assert ("text" in body) != ("input_ids" in body), "exactly one of text / input_ids"
+    if "sampling_params" in body:
+        check_fields(body["sampling_params"], SAMPLING_FIELDS, "sampling_params")
+    if "token_ids_logprob" in body:
+        assert all(isinstance(t, int) for t in body["token_ids_logprob"])
+
+
+def _triple(e) -> None:
+    assert isinstance(e, list) and len(e) == 3
+    assert isinstance(e[0], float) and isinstance(e[1], int) and (e[2] is None or isinstance(e[2], str))
+
+
+def check_generate_response(body: dict, return_logprob: bool, token_ids: list[int] | None) -> None:
+    assert set(body) >= {"text", "output_ids", "meta_info"} and isinstance(body["text"], str)
+    assert all(isinstance(t, int) for t in body["output_ids"])
+    meta = body["meta_info"]
+    assert isinstance(meta["id"], str)
+    assert isinstance(meta["prompt_tokens"], int) and isinstance(meta["completion_tokens"], int)
+    fr = meta["finish_reason"]
+    assert isinstance(fr, dict) and fr["type"] in ("stop", "length", "abort")
+    if fr["type"] == "length":
+        assert isinstance(fr["length"], int)
+    if return_logprob:
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+        for e in meta["output_token_logprobs"]:
+            _triple(e)
+    if token_ids:
+        rows = meta["output_token_ids_logprobs"]
+        assert len(rows) == meta["completion_tokens"]
+        for row in rows:
+            assert [e[1] for e in row] == token_ids
+            for e in row:
+                _triple(e)
+    assert isinstance(meta["weight_version"], (str, int))
+
+
+def fake_sglang() -> tuple[web.Application, list]:
+    """Strict SGLang stand-in; records every request body it accepted."""
+    seen: list = []
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            check_generate_request(body)
+        except AssertionError as exc:
+            return web.json_response({"error": {"message": str(exc)}}, status=400)
+        seen.append(("generate", body))
+        n = body.get("sampling_params", {}).get("max_new_tokens", 2)
+        meta = {"id": "abc", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": 4,
+                "completion_tokens": n, "cached_tokens": 0, "weight_version": "default", "e2e_latency": 0.01}
+        if body.get("return_logprob"):
+            meta["input_token_logprobs"] = [[None, 1, None]]
+            meta["output_token_logprobs"] = [[-0.5, 100 + i, None] for i in range(n)]
+        if body.get("token_ids_logprob"):
+            meta["output_token_ids_logprobs"] = [[[-1.0 - j, t, None] for j, t in enumerate(body["token_ids_logprob"])]
+                                                 for _ in range(n)]
+        return web.json_response({"text": "x" * n, "output_ids": [100 + i for i in range(n)], "meta_info": meta})
+
+    async def update(request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            check_fields(body, UPDATE_FIELDS, "UpdateWeightFromDiskReqInput")
+            assert isinstance(body.get("model_path"), str)
+        except AssertionError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        seen.append(("update", body))
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "/models/x", "tokenizer_path": "/models/x", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "default"})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.add_routes([web.post("/generate", generate), web.post("/update_weights_from_disk", update),
+                    web.get("/get_model_info", model_info), web.get("/health", health)])
+    return app, seen
+
+
+@pytest.fixture
+async def fake_url():
+    app, seen = fake_sglang()
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+    await runner.cleanup()
+
+
+async def test_client_requests_conform_to_sglang(fake_url):
+    url, seen = fake_url
+    async with EngineClient([url], role="test", max_retries=0) as client:
+        sp = {"max_new_tokens": 1, "temperature": 1.0, "top_p": 0.95, "stop": ["\n"], "sampling_seed": 3}
+        res = await client.generate("Pick: a or b?", sampling_params=sp, return_logprob=True, token_ids_logprob=[81, 82])
+        assert res.output_ids == [100] and res.output_logprobs == [-0.5]
+        assert res.token_ids_logprobs == [{81: -1.0, 82: -2.0}]
+        assert res.finish_reason == "length" and res.prompt_tokens == 4
+        assert res.weight_version == 0  # SGLang's "default" string
+        res = await client.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 3})
+        assert len(res.output_ids) == 3 and res.token_ids_logprobs is None and res.output_logprobs == []
+        await client.update_weights_from_disk("/ckpt/step-7", weight_version=7)
+        assert (await client.model_info())["is_generation"] is True
+        assert await client.health() == {url: True}
+    kinds = [k for k, _ in seen]
+    assert kinds == ["generate", "generate", "update"]
+    assert seen[2][1]["weight_version"] == "7" and seen[2][1]["model_path"] == "/ckpt/step-7"
+
+
+def test_parse_accepts_sglang_variants():
+    body = {"text": "hi", "output_ids": [5], "meta_info": {
+        "id": "1", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 1,
+        "weight_version": "12", "output_token_logprobs": [[-0.1, 5, "hi"]]}}
+    res = parse_generate_response(body)
+    assert (res.weight_version, res.finish_reason, res.output_logprobs) == (12, "stop", [-0.1])
+    from infra.engine_client import EngineError
+
+    with pytest.raises(EngineError, match="malformed"):
+        parse_generate_response({"text": "no meta"})
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_embedded_server_answers_in_sglang_shape(smollm2):
+    from infra.engine_server import start_embedded_engine
+
+    handle = await start_embedded_engine(loaded=smollm2, max_batch_size=4)
+    try:
+        async with aiohttp.ClientSession() as s:
+            req = {"text": "Hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+                   "return_logprob": True, "token_ids_logprob": [81, 82]}
+            check_generate_request(req)
+            async with s.post(handle.url + "/generate", json=req) as r:
+                check_generate_response(await r.json(), True, [81, 82])
+            batch = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 2}}
+            async with s.post(handle.url + "/generate", json=batch) as r:
+                bodies = await r.json()
+            assert len(bodies) == 2
+            for b in bodies:
+                check_generate_response(b, False, None)
+            async with s.get(handle.url + "/get_model_info") as r:
+                info = await r.json()
+            assert isinstance(info["model_path"], str) and info["is_generation"] is True
+            async with s.get(handle.url + "/health") as r:
+                assert r.status == 200
+            async with s.get(handle.url + "/health_generate") as r:
+                assert r.status == 200
+            # the embedded engine takes SGLang's update payload (string weight_version, extra flags)
+            upd = {"model_path": "/does/not/exist", "load_format": "auto", "weight_version": "3", "flush_cache": True}
+            check_fields(upd, UPDATE_FIELDS, "UpdateWeightFromDiskReqInput")
+            async with s.post(handle.url + "/update_weights_from_disk", json=upd) as r:
+                out = await r.json()
+            assert isinstance(out["success"], bool) and isinstance(out["message"], str) and out["success"] is False
+    finally:
+        await handle.stop()
+
+
+def test_launcher_flags_are_sglang_server_args():
+    from infra.config import EngineConfig
+    from infra.sglang_launcher import build_command
+
+    cfg = EngineConfig(model="/models/mexp", sglang_tp_size=2, sglang_mem_fraction=0.7, sglang_port=30100,
+                       sglang_extra_args=["--enable-deterministic-inference"])
+    cmd = build_command(cfg, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--model-path"] == "/models/mexp" and flags["--port"] == "30100"
+    assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.7" and flags["--dtype"] == "float32"
+    assert cmd[-1] == "--enable-deterministic-inference"
