@@ -96,7 +96,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
                 maxlen=cfg.infra.stream_maxlen))
 
         pool, stop, history = WorkerPool(spawn), asyncio.Event(), RunHistory()
-        source = phases.task_source(cfg, client, prefix, splits.train, engines.mexp, tok)
+        source = phases.task_source(cfg, client, prefix, splits.train, engines.mexp, tok, getattr(buffer, "embedder", None))
         t_train = time.time()
         with phases.progress(console, "GRPO in DreamGym" if cfg.learner.algo == "grpo" else "PPO in DreamGym",
                              cfg.learner.total_updates, learner.updates) as advance:
@@ -110,11 +110,18 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
             await pool.scale_to(cfg.actors.num_workers)
             await phases.set_worker_target(client, prefix, cfg.actors.num_workers)
             watcher = asyncio.create_task(pool.watch(client, prefix, stop))
+            budget = asyncio.get_running_loop().call_later(cfg.infra.train_budget_s, stop.set) \
+                if cfg.infra.train_budget_s > 0 else None
             if cfg.learner.sync:
-                await phases.train_sync(learner, source, pool, client, prefix, on_update)
+                await phases.train_sync(learner, source, pool, client, prefix, on_update, stop)
             else:
                 feeder = asyncio.create_task(source.run(stop))
-                await learner.run(cfg.learner.total_updates, on_update=on_update)
+                await learner.run(cfg.learner.total_updates, on_update=on_update, stop=stop)
+            if stop.is_set():
+                console.print(f"[yellow]train budget of {cfg.infra.train_budget_s:.0f} s spent after "
+                              f"{learner.updates} of {cfg.learner.total_updates} updates[/]")
+            if budget is not None:
+                budget.cancel()
             stop.set()
             await watcher
             if not cfg.learner.sync:

@@ -38,6 +38,11 @@ class Engines:
             await h.stop()
 
 
+def embedding_cache(cfg: Config) -> Path:
+    """The MiniLM embedding cache shared with `dreamgym train-mexp` (same texts, embedded once)."""
+    return Path(cfg.infra.data_dir) / ".cache" / "embeddings.sqlite"
+
+
 def prepare_data(cfg: Config, console: Any = None) -> tuple[Any, list]:
     """(task splits, offline trajectories): read from `<data_dir>`, or generate/collect them once."""
     from actors.dataset import read_trajectories, trajectories_path, write_trajectories
@@ -68,7 +73,7 @@ def seed_buffer(cfg: Config, offline: list, run_dir: Path, console: Any = None) 
     from simulator.replay_buffer import make_buffer, seed_buffer as seed
 
     t0 = time.perf_counter()
-    embedder = Embedder(cache_path=Path(cfg.infra.data_dir) / "embeddings.sqlite")
+    embedder = Embedder(cache_path=embedding_cache(cfg))
     buffer = make_buffer(cfg.simulator, run_dir / "buffer", embedder)
     n = seed(buffer, offline)
     _say(console, f"replay buffer seeded with {n} real transitions ({time.perf_counter() - t0:.1f} s)")
@@ -90,9 +95,12 @@ def mexp_checkpoint(cfg: Config, offline: list, console: Any = None) -> str:
         return str(cache)
     t0 = time.perf_counter()
     _say(console, f"fine-tuning Mexp on {len(offline)} offline trajectories ...")
-    path = mexp_sft.train_mexp(cfg, offline, cache)
-    _say(console, f"Mexp SFT done ({time.perf_counter() - t0:.0f} s): {path}")
-    return str(path)
+    report = mexp_sft.run_sft(cfg.simulator, cfg.infra.data_dir, cache, cfg.actors.env_family, cfg.infra.seed)
+    after = report.get("after", {}).get("loss_all")
+    _say(console, f"Mexp SFT done ({time.perf_counter() - t0:.0f} s, {report['train_examples']} examples, "
+                  f"held-out loss {report.get('before', {}).get('loss_all', float('nan')):.3f} -> "
+                  f"{after if after is not None else float('nan'):.3f}): {cache}")
+    return str(cache)
 
 
 async def start_engines(cfg: Config, mexp_model: str, policy_model: str) -> Engines:
@@ -186,7 +194,7 @@ def task_source(cfg: Config, client: Any, prefix: str, seeds: list, mtask_client
         from simulator.embedder import Embedder
         from simulator.task_variants import TaskVariantGenerator
 
-        embedder = embedder or Embedder(cache_path=Path(cfg.infra.data_dir) / "embeddings.sqlite")
+        embedder = embedder or Embedder(cache_path=embedding_cache(cfg))
         variants = TaskVariantGenerator(mtask_client, tokenizer, cfg.curriculum, embedder)
     return CurriculumScheduler(client, cfg.curriculum, prefix, seeds, variants=variants, seed=cfg.infra.seed,
                                stream_maxlen=cfg.infra.stream_maxlen)
@@ -198,7 +206,8 @@ async def set_worker_target(client: Any, prefix: str, n: int) -> None:
     await client.set(desired_key(prefix), n)
 
 
-async def train_sync(learner: Any, source: Any, pool: Any, client: Any, prefix: str, on_update: Any) -> None:
+async def train_sync(learner: Any, source: Any, pool: Any, client: Any, prefix: str, on_update: Any,
+                     stop: Any = None) -> None:
     """Synchronous mode: push one update's worth of tasks, let the workers play them, train; repeat."""
     from infra.schema import encode
     from infra.streams import StreamProducer, tasks_stream
@@ -206,7 +215,8 @@ async def train_sync(learner: Any, source: Any, pool: Any, client: Any, prefix: 
 
     producer = StreamProducer(client, tasks_stream(prefix))
     n = learner.cfg.groups_per_update
-    while learner.updates < learner.cfg.total_updates:
+    await learner.consumer.ensure_group()
+    while learner.updates < learner.cfg.total_updates and not (stop is not None and stop.is_set()):
         idle = all(not s.get("inflight") for s in await pool.statuses())
         if idle and await stream_backlog(client, tasks_stream(prefix)) == 0 and not learner._ready:
             tasks: list = []
