@@ -255,6 +255,28 @@ class Learner:
                     await r
         return out
 
+    @property
+    def discarded(self) -> dict[str, int]:
+        """Trajectories set aside (by outcome) since the last update's stats were taken."""
+        return dict(self._discarded)
+
+    async def warm_start(self, trajectories, on_step=None) -> list[float]:
+        """cfg.warm_start_steps of supervised choice training on expert trajectories, then
+        publish the result as the current version (workers start from it)."""
+        from learner.policy_sft import expert_examples, warm_start
+
+        cfg = self.cfg
+        examples = expert_examples(trajectories, self.policy.tokenizer)
+        losses = await asyncio.to_thread(warm_start, self.policy, examples, cfg.warm_start_steps, cfg.warm_start_lr,
+                                         cfg.warm_start_batch, 0, cfg.max_grad_norm, on_step)
+        log.info("warm start: %d steps on %d expert transitions, loss %s", len(losses), len(examples),
+                 f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "n/a")
+        if losses:
+            if cfg.kl_coef > 0 and self.policy.lora_rank == 0:
+                self.policy.snapshot_reference(force=True)  # the warm-started policy is the KL reference
+            await self.publish()
+        return losses
+
     async def publish(self) -> None:
         """Publish the current weights now (after a warm start or a resume)."""
         if self.publisher is not None:

@@ -77,9 +77,11 @@ class PolicyModel(nn.Module):
             logits, _ = choice_forward(self._ref, self.tokenizer, prompts)
         return gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
 
-    def snapshot_reference(self) -> None:
-        """Full fine-tuning: freeze a copy of the current weights as the reference now."""
-        if self.lora_rank == 0 and self._ref is None:
+    def snapshot_reference(self, force: bool = False) -> None:
+        """Full fine-tuning: freeze a copy of the current weights as the reference now.
+
+        Under LoRA the reference is always the adapter-free base model."""
+        if self.lora_rank == 0 and (self._ref is None or force):
             ref = copy.deepcopy(self.lm).eval()
             for p in ref.parameters():
                 p.requires_grad_(False)

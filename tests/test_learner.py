@@ -149,3 +149,30 @@ async def test_ppo_and_importance_correction(redis_url, smollm2, tmp_path):
     assert s.value_loss > 0 and not torch.equal(head, policy.value_head.weight)
     assert s.kl == pytest.approx(0.0, abs=1e-6)  # LoRA starts at the reference
     await client.aclose()
+
+
+async def test_warm_start_raises_expert_choice_probability(smollm2, tmp_path):
+    from learner.policy_sft import expert_examples, warm_start
+
+    model, tok = smollm2
+    policy = PolicyModel(lora_rank=4, model=copy.deepcopy(model), tokenizer=tok)
+    expert = make_traj(tok, model, "G", 1.0, n_steps=2)
+    expert.timings["policy_name"] = "expert"
+    noisy = make_traj(tok, model, "G", 1.0)
+    noisy.timings["policy_name"] = "noisy"
+    failed = make_traj(tok, model, "G", 0.0)
+    failed.timings["policy_name"] = "expert"
+    examples = expert_examples([expert, noisy, failed], tok)
+    assert len(examples) == 2  # only the successful expert's steps
+    assert examples[0].target == expert.steps[0].action_token_ids[0]
+    assert examples[0].prompt == expert.steps[0].policy_prompt  # the very prompt a worker would build
+
+    def mean_logp():
+        with torch.no_grad():
+            lp, _ = policy.forward_choice([e.prompt for e in examples], [e.labels for e in examples],
+                                          [e.target for e in examples])
+        return float(lp.mean())
+
+    before = mean_logp()
+    losses = warm_start(policy, examples, steps=3, lr=5e-3, batch_size=2)
+    assert len(losses) == 3 and mean_logp() > before + 0.05
