@@ -93,6 +93,7 @@ class RolloutWorker:
         self._stopping = asyncio.Event()
         self._drain = True
         self.groups_done = 0
+        self.groups_failed = 0
         self.trajectories_pushed = 0
         self.episodes_done = 0
 
@@ -126,6 +127,12 @@ class RolloutWorker:
             except asyncio.CancelledError:
                 if not job.done():
                     raise
+            except Exception as exc:  # an engine or Redis outage: give the task back, keep serving
+                log.error("%s: group of %s failed (%s: %s); handing the task back", self.worker_id,
+                          d.message.task_id, type(exc).__name__, exc)
+                self.groups_failed += 1
+                await self.hand_back([d.entry_id])
+                await asyncio.sleep(1.0)
             finally:
                 self._inflight.pop(d.entry_id, None)
 
@@ -282,5 +289,5 @@ class RolloutWorker:
 
     def status(self) -> dict:
         return {"worker_id": self.worker_id, "groups_done": self.groups_done, "episodes_done": self.episodes_done,
-                "trajectories_pushed": self.trajectories_pushed, "inflight": len(self._inflight),
+                "trajectories_pushed": self.trajectories_pushed, "groups_failed": self.groups_failed, "inflight": len(self._inflight),
                 "stopping": self._stopping.is_set()}

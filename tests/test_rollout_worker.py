@@ -139,3 +139,25 @@ async def test_group_already_pushed_is_only_acked(redis_url):
     await job
     assert len(await read_trajs(client)) == 3 and b.trajectories_pushed == 0
     await client.aclose()
+
+
+class BrokenEnv(LadderEnv):
+    async def step(self, action):
+        raise ConnectionError("engine down")
+
+
+async def test_failing_group_is_handed_back_and_worker_keeps_serving(redis_url):
+    client = connect(redis_url)
+    await push_tasks(client, 1)
+    c = ActorsConfig(group_size=2, concurrent_episodes=2, max_steps=3)
+    broken = RolloutWorker("broken", client, PREFIX, ScriptedPolicy(), BrokenEnv, c, reclaim_idle_ms=300)
+    run = asyncio.create_task(broken.run())
+    while not broken.groups_failed:
+        await asyncio.sleep(0.05)
+    await broken.stop(drain=True)
+    await run
+    assert await read_trajs(client) == []
+    healthy = make_worker(client, wid="healthy")
+    await asyncio.wait_for(healthy.run(max_groups=1), 30)
+    assert len(await read_trajs(client)) == 3
+    await client.aclose()
