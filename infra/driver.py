@@ -68,7 +68,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
     (run_dir / "config.yaml").write_text(dump(cfg))
     redis = None if cfg.infra.redis_url else EmbeddedRedis().start()
     url, prefix = cfg.infra.redis_url or redis.url, f"{cfg.infra.stream_prefix}:{name}"
-    (Path(cfg.infra.run_dir) / "latest.json").write_text(json.dumps({"redis_url": url if redis else "", "run_dir": str(run_dir)}))
+    (Path(cfg.infra.run_dir) / "latest.json").write_text(json.dumps({"redis_url": url if redis else "", "prefix": prefix, "run_dir": str(run_dir)}))
     client = connect(url, cfg.infra.redis_tls_ca)
     engines = None
     try:

@@ -131,7 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_config_arguments(p)
     p.add_argument("--workers", type=int, required=True, help="desired number of rollout workers")
-    p.add_argument("--redis-url", default=None, help="the job's Redis (default: infra.redis_url of the config)")
+    p.add_argument("--redis-url", default=None, help="the job's Redis (default: infra.redis_url, else the running job's)")
+    p.add_argument("--prefix", default=None, help="the job's key prefix (default: the running job's, else infra.stream_prefix)")
 
 
 async def _scale(url: str, prefix: str, n: int) -> tuple[int | None, int]:
@@ -153,17 +154,17 @@ def run(args: argparse.Namespace) -> int:
         print("dreamgym scale: --workers must be >= 0")
         return 2
     cfg = config_from_args(args)
-    url = args.redis_url or cfg.infra.redis_url
-    if not url:
-        import json
-        from pathlib import Path
+    import json
+    from pathlib import Path
 
-        # An embedded Redis has no fixed URL: the driver records it in the run directory.
-        latest = Path(cfg.infra.run_dir) / "latest.json"
-        url = json.loads(latest.read_text())["redis_url"] if latest.exists() else ""
+    # The driver records the running job's Redis (an embedded one has no fixed URL) and key prefix.
+    latest = Path(cfg.infra.run_dir) / "latest.json"
+    job = json.loads(latest.read_text()) if latest.exists() else {}
+    url = args.redis_url or cfg.infra.redis_url or job.get("redis_url", "")
+    prefix = args.prefix or job.get("prefix") or cfg.infra.stream_prefix
     if not url:
         print("dreamgym scale: no Redis URL (give --redis-url or infra.redis_url; no running job recorded)")
         return 2
-    before, after = asyncio.run(_scale(url, cfg.infra.stream_prefix, args.workers))
+    before, after = asyncio.run(_scale(url, prefix, args.workers))
     print(f"rollout workers: {before if before is not None else '?'} -> {after} requested")
     return 0

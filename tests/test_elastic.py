@@ -117,3 +117,18 @@ def test_autoscale_rule():
     assert autoscale_target(3, backlog=0, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 2
     assert autoscale_target(1, backlog=0, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 1
     assert autoscale_target(2, backlog=2, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 2
+
+
+def test_scale_command_sets_the_target_the_pool_watches(redis_url):
+    import argparse
+
+    import redis as sync_redis
+
+    from infra import scale
+
+    p = argparse.ArgumentParser()
+    scale.add_arguments(p)
+    args = p.parse_args(["--workers", "5", "--redis-url", redis_url, "--prefix", "job"])
+    assert scale.run(args) == 0
+    assert int(sync_redis.Redis.from_url(redis_url).get(desired_key("job"))) == 5
+    assert scale.run(p.parse_args(["--workers", "-1", "--redis-url", redis_url])) == 2
