@@ -263,11 +263,11 @@ class Learner:
     async def warm_start(self, trajectories, on_step=None) -> list[float]:
         """cfg.warm_start_steps of supervised choice training on expert trajectories, then
         publish the result as the current version (workers start from it)."""
-        from learner.policy_sft import expert_examples, warm_start
+        from learner.policy_sft import expert_examples, train_on_examples
 
         cfg = self.cfg
         examples = expert_examples(trajectories, self.policy.tokenizer)
-        losses = await asyncio.to_thread(warm_start, self.policy, examples, cfg.warm_start_steps, cfg.warm_start_lr,
+        losses = await asyncio.to_thread(train_on_examples, self.policy, examples, cfg.warm_start_steps, cfg.warm_start_lr,
                                          cfg.warm_start_batch, 0, cfg.max_grad_norm, on_step)
         log.info("warm start: %d steps on %d expert transitions, loss %s", len(losses), len(examples),
                  f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "n/a")

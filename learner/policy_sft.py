@@ -13,10 +13,12 @@ negative of `choice_logprobs`, the same quantity RL optimises.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -72,9 +74,9 @@ def expert_examples(trajectories: Iterable[Trajectory], tokenizer, history_windo
     return out
 
 
-def warm_start(policy, examples: list[ChoiceExample], steps: int, lr: float = 1e-4, batch_size: int = 8,
-               seed: int = 0, max_grad_norm: float = 1.0,
-               on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def train_on_examples(policy, examples: list[ChoiceExample], steps: int, lr: float = 1e-4, batch_size: int = 8,
+                      seed: int = 0, max_grad_norm: float = 1.0,
+                      on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """`steps` AdamW steps of cross-entropy on the expert label; returns the loss per step."""
     if not examples or steps <= 0:
         return []
@@ -102,3 +104,29 @@ def warm_start(policy, examples: list[ChoiceExample], steps: int, lr: float = 1e
             on_step(i, losses[-1])
     opt.zero_grad(set_to_none=True)
     return losses
+
+
+def warm_start(cfg: Any, offline: Iterable[Trajectory], out_dir: str | Path,
+               on_step: Callable[[int, float], None] | None = None) -> Path:
+    """The driver's entry: warm-start `cfg.engines.model` on the expert trajectories in `offline`
+    for cfg.learner.warm_start_steps steps and save a Hugging Face directory at `out_dir`
+    (LoRA merged) that engines and the learner load. Returns `out_dir`."""
+    from learner.policy_model import PolicyModel
+
+    from infra.model_loading import load_tokenizer
+
+    lc = cfg.learner
+    examples = expert_examples(offline, load_tokenizer(cfg.engines.model))
+    if not examples:
+        raise ValueError("warm start: no expert transitions in the offline data (collect with policies: [expert, ...])")
+    policy = PolicyModel(cfg.engines.model, lora_rank=lc.lora_rank, gradient_checkpointing=lc.gradient_checkpointing)
+    losses = train_on_examples(policy, examples, lc.warm_start_steps, lc.warm_start_lr, lc.warm_start_batch,
+                               cfg.infra.seed, lc.max_grad_norm, on_step)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    policy.save_hf(out)
+    (out / "warm_start.json").write_text(json.dumps({"examples": len(examples), "steps": len(losses),
+                                                     "first_loss": losses[0], "last_loss": losses[-1]}))
+    log.info("warm start: %d steps on %d expert transitions, loss %.3f -> %.3f", len(losses), len(examples),
+             losses[0], losses[-1])
+    return out

@@ -152,7 +152,7 @@ async def test_ppo_and_importance_correction(redis_url, smollm2, tmp_path):
 
 
 async def test_warm_start_raises_expert_choice_probability(smollm2, tmp_path):
-    from learner.policy_sft import expert_examples, warm_start
+    from learner.policy_sft import expert_examples, train_on_examples
 
     model, tok = smollm2
     policy = PolicyModel(lora_rank=4, model=copy.deepcopy(model), tokenizer=tok)
@@ -174,5 +174,26 @@ async def test_warm_start_raises_expert_choice_probability(smollm2, tmp_path):
         return float(lp.mean())
 
     before = mean_logp()
-    losses = warm_start(policy, examples, steps=3, lr=5e-3, batch_size=2)
+    losses = train_on_examples(policy, examples, steps=3, lr=5e-3, batch_size=2)
     assert len(losses) == 3 and mean_logp() > before + 0.05
+
+
+def test_warm_start_driver_entry_writes_a_loadable_model(smollm2, tmp_path):
+    from infra.config import Config
+    from infra.model_loading import load_model
+    from learner.policy_sft import warm_start
+
+    model, tok = smollm2
+    expert = make_traj(tok, model, "G", 1.0, n_steps=1)
+    expert.timings["policy_name"] = "expert"
+    cfg = Config()
+    cfg.learner.warm_start_steps, cfg.learner.warm_start_batch, cfg.learner.lora_rank = 1, 1, 4
+    out = warm_start(cfg, [expert], tmp_path / "warm")
+    assert (out / "warm_start.json").exists()
+    loaded, _ = load_model(str(out))  # a plain HF directory: what engines and the learner load
+    with torch.no_grad():
+        lp = choice_logprobs(loaded, tok, [expert.steps[0].policy_prompt], [expert.steps[0].choice_token_ids],
+                             expert.steps[0].action_token_ids)
+    assert float(lp[0]) > expert.steps[0].logprobs[0]  # one step towards the expert's choice
+    with pytest.raises(ValueError):
+        warm_start(cfg, [], tmp_path / "none")
