@@ -117,6 +117,9 @@ class RolloutWorker:
                 if self._stopping.is_set():
                     return
                 deliveries = [d for d in await self.consumer.read(count=1, block_ms=200) if d.entry_id not in self._inflight]
+                if deliveries and self._stopping.is_set():  # stop() came while we were reading
+                    await self.hand_back([x.entry_id for x in deliveries])
+                    return
                 if not deliveries:
                     continue
                 d = deliveries[0]
