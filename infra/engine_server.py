@@ -163,10 +163,8 @@ class EngineApp:
             except (TypeError, ValueError):
                 raise RequestError(f"'weight_version' must be an integer, got {version!r}") from None
         async with self._update_lock:
-            from infra.model_loading import load_model
-
             try:
-                model, _tok = await asyncio.to_thread(load_model, body["model_path"], self.dtype)
+                model = await asyncio.to_thread(_load_weights, body["model_path"], self.dtype)
             except (FileNotFoundError, OSError, ValueError) as exc:
                 return web.json_response({"success": False, "message": f"cannot load {body['model_path']}: {exc}"},
                                          status=400)
@@ -220,6 +218,17 @@ class EngineApp:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _load_weights(path: str, dtype: str):
+    """Only the model: a learner checkpoint need not carry tokenizer files (the tokenizer never changes)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infra.model_loading import resolve
+
+    model = AutoModelForCausalLM.from_pretrained(resolve(path), dtype=getattr(torch, dtype))
+    return model.eval()
 
 
 def _oai_finish(o: GenOutput) -> str:
