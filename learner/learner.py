@@ -227,7 +227,10 @@ class Learner:
         stats.version = self.version
         stats.discarded, self._discarded = self._discarded, {}
         if self.publisher is not None and self.updates % self.cfg.publish_every == 0:
-            await self.publisher.publish(self.policy, self.version)
+            try:
+                await self.publisher.publish(self.policy, self.version)
+            except Exception:  # engines down or disk full: keep training; staleness will show it
+                log.exception("publishing weights v%d failed; workers keep the previous version", self.version)
         if self.updates % self.cfg.checkpoint_every == 0:
             await asyncio.to_thread(self.save)
         stats.seconds = time.monotonic() - t0

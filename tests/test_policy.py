@@ -29,8 +29,14 @@ STATES = [
 ]
 
 
-def test_labels_are_single_tokens_and_prompt_lists_options(smollm2):
-    _, tok = smollm2
+@pytest.fixture(scope="module")
+def tok():
+    from infra.model_loading import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+def test_labels_are_single_tokens_and_prompt_lists_options(tok):
     assert label_token_ids(tok, 3) == [81, 82, 83]  # 'a', 'b', 'c'
     assert len(set(label_token_ids(tok, len(LABELS)))) == len(LABELS)
     history = [Step(state="", action="look"), "inventory"]
@@ -77,8 +83,7 @@ class _NoLogprobEngine:
         return GenerateResult("a", [81], [-0.1], None, 0, "length", 10, {})
 
 
-async def test_engine_without_label_logprobs_is_a_typed_error(smollm2):
-    _, tok = smollm2
+async def test_engine_without_label_logprobs_is_a_typed_error(tok):
     with pytest.raises(PolicyError):
         await ChoicePolicy(_NoLogprobEngine(), tok).act(TASK, STATES[0][0], STATES[0][1])
 
