@@ -309,6 +309,7 @@ class CurriculumScheduler:
             "stats": {tid: asdict(s) for tid, s in self.last_stats.items()},
             "rng": [version, list(internal), gauss],
             "counters": {"batches": self.batches, "pushed": self.handed_out, "generated_pushed": self.generated_handed_out},
+            "uniform_order": [t.task_id for t in self._order],
         }
 
     async def load_state_dict(self, state: dict) -> None:
@@ -326,5 +327,6 @@ class CurriculumScheduler:
         self.rng.setstate((version, tuple(internal), gauss))
         c = state["counters"]
         self.batches, self.handed_out, self.generated_handed_out = c["batches"], c["pushed"], c["generated_pushed"]
+        self._order = [self.pool.tasks[t] for t in state.get("uniform_order", []) if t in self.pool.tasks]
         await with_retry(lambda: self.client.hset(counters_key(self.prefix), mapping=c), "restore curriculum counters")
         self._started = True

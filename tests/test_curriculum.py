@@ -144,6 +144,12 @@ async def test_ablation_switch_samples_seeds_uniformly_without_variants(redis_ur
         seen += [t.task_id for t in await sched.next_batch()]
     assert sorted(seen[:6]) == sorted(seen[6:]) == [f"seed-{i}" for i in range(6)]  # one pass = each once
     assert variants.calls == 0 and not sched.pool.generated()
+    await sched.next_batch()  # mid-pass
+    state = sched.state_dict()
+    ahead = [t.task_id for _ in range(3) for t in await sched.next_batch()]
+    resumed = CurriculumScheduler(client, cfg, "abl", _seeds(6), seed=42)
+    await resumed.load_state_dict(state)
+    assert [t.task_id for _ in range(3) for t in await resumed.next_batch()] == ahead
     await client.aclose()
 
 
