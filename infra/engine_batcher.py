@@ -159,8 +159,12 @@ class GenRequest:
 class Batcher:
     """The decode loop. `submit` is thread-safe and returns a concurrent Future of GenOutput."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0):
+    def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0,
+                 max_prefill_tokens: int = 4096):
         self.model = model
+        # Prompts prefilled together are padded to the longest; bound the padded block so a
+        # burst of long Mexp prompts does not allocate attention for all of them at once.
+        self.max_prefill_tokens = max_prefill_tokens
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
@@ -244,7 +248,11 @@ class Batcher:
                     return
                 admit: list[GenRequest] = []
                 if self._swap is None:
+                    longest = 0
                     while self._queue and len(self._running) + len(admit) < self.max_batch_size:
+                        longest = max(longest, len(self._queue[0].input_ids))
+                        if admit and longest * (len(admit) + 1) > self.max_prefill_tokens:
+                            break  # the rest joins at the next step
                         admit.append(self._queue.popleft())
                 elif not self._running:
                     model, version, fut = self._swap
