@@ -124,6 +124,7 @@ class SimulatorConfig:
     sft_lora_rank: int = _f(0, "`dreamgym train-mexp`: LoRA rank (0 = full fine-tuning); adapters are merged before saving.", NON_NEGATIVE)
     sft_max_len: int = _f(768, "`dreamgym train-mexp`: longest example in tokens; longer ones are skipped.", POSITIVE)
     sft_max_examples: int = _f(0, "`dreamgym train-mexp`: cap on training examples (0 = all).", NON_NEGATIVE)
+    sft_max_heldout: int = _f(64, "`dreamgym train-mexp`: cap on held-out validation examples (0 = all).", NON_NEGATIVE)
     heldout_frac: float = _f(0.2, "Share of offline tasks held out for SFT validation and fidelity when the splits file holds none.", UNIT)
 
 

@@ -138,8 +138,8 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 tokens += int(batch["attention_mask"].sum())
-                curve.append(float(loss))
-                bar.update(job, advance=1, loss=f"{float(loss):.3f}")
+                curve.append(loss.item())
+                bar.update(job, advance=1, loss=f"{curve[-1]:.3f}")
     seconds = time.monotonic() - t0
     model.eval()
     after = evaluate(model, val_data, pad) if val_data else {}
@@ -191,6 +191,9 @@ def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, fam
     if cfg.sft_max_examples:
         random.Random(seed).shuffle(train_ex)
         train_ex = train_ex[:cfg.sft_max_examples]
+    if cfg.sft_max_heldout:
+        random.Random(seed + 1).shuffle(val_ex)
+        val_ex = val_ex[:cfg.sft_max_heldout]
     enc_train = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in train_ex) if e is not None]
     enc_val = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in val_ex) if e is not None]
     log.info("Mexp SFT: %d train / %d held-out examples (%d / %d skipped as longer than %d tokens)",

@@ -1,0 +1,226 @@
+"""`dreamgym fidelity`: how faithfully Mexp reproduces held-out real transitions.
+
+Owns the simulator's fidelity measurement. Held-out REAL trajectories (the same
+task-level split as `dreamgym train-mexp`, simulator/mexp_data.py) are replayed step
+by step with the real actions teacher-forced: at each step Mexp sees the real
+history, the real state and the real action (and the top-k neighbours from a buffer
+of the TRAIN trajectories), and its prediction is compared with what the real
+environment did:
+
+- reward accuracy (|r̂ - r| < 0.5) and ΔR, the mean and max absolute reward error;
+- done accuracy;
+- next-state agreement: item recall (share of the real state's actionable items that
+  the predicted state lists) and token F1 (bag of words over the whole state);
+- parse-failure rate: share of steps whose reply was rejected (no retries by default,
+  so this is the per-sample rate). Rejected steps count as wrong in the accuracies
+  and as 0 in the agreement scores; ΔR is over parsed steps only.
+
+Each checkpoint is measured in three settings: full, without retrieval and without
+reasoning (the paper's ablations, Table 3). With `--judge-url`, an LLM judge scores
+consistency, informativeness and hallucination 1-5 (paper Fig. 4). Decoding is
+greedy by default so settings differ only in what they change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from actors.envs.base import StateFormatError, validate_state
+from infra.config import SimulatorConfig
+from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
+
+VARIANTS = {"full": {}, "no-retrieval": {"retrieval": False}, "no-reasoning": {"reasoning": False}}
+_WORD = re.compile(r"\w+")
+
+
+# ---------------------------------------------------------------- pure metrics
+def item_recall(pred: str, real: str) -> float:
+    """Share of the real state's item texts that appear among the predicted state's items."""
+    try:
+        real_items = {t.strip().lower() for _, t in validate_state(real).items}
+    except StateFormatError:
+        return 0.0
+    try:
+        pred_items = {t.strip().lower() for _, t in validate_state(pred).items}
+    except StateFormatError:
+        return 0.0
+    return len(real_items & pred_items) / len(real_items) if real_items else 1.0
+
+
+def token_f1(pred: str, real: str) -> float:
+    p, r = Counter(_WORD.findall(pred.lower())), Counter(_WORD.findall(real.lower()))
+    common = sum((p & r).values())
+    if not p or not r or not common:
+        return float(not p and not r)
+    precision, recall = common / sum(p.values()), common / sum(r.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+def summarize(records: list[dict]) -> dict[str, float]:
+    """Aggregate per-step records ({parsed, reward, true_reward, done, true_done, item_recall, token_f1})."""
+    n = len(records)
+    if not n:
+        return {"steps": 0}
+    parsed = [r for r in records if r["parsed"]]
+    errs = [abs(r["reward"] - r["true_reward"]) for r in parsed]
+    return {
+        "steps": n,
+        "parse_failure_rate": 1 - len(parsed) / n,
+        "reward_accuracy": sum(1 for r in parsed if abs(r["reward"] - r["true_reward"]) < 0.5) / n,
+        "delta_r_mean": sum(errs) / len(errs) if errs else float("nan"),
+        "delta_r_max": max(errs) if errs else float("nan"),
+        "done_accuracy": sum(1 for r in parsed if r["done"] == r["true_done"]) / n,
+        "item_recall": sum(r["item_recall"] for r in records) / n,
+        "token_f1": sum(r["token_f1"] for r in records) / n,
+    }
+
+
+# ---------------------------------------------------------------- replay
+async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16) -> list[dict]:
+    """Teacher-forced replay of `examples` through `mexp` (an ExperienceModel); one record per step."""
+    from simulator.experience_model import MexpRejected
+
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(ex: MexpExample) -> dict:
+        rec = {"task_id": ex.task.task_id, "action": ex.action, "true_reward": ex.truth.reward,
+               "true_done": ex.truth.done, "true_state": ex.truth.next_state}
+        async with sem:
+            try:
+                out = await mexp.step(ex.task, ex.history, ex.state, ex.action, ex.episode_id)
+            except MexpRejected as exc:
+                return {**rec, "parsed": False, "reason": exc.reasons[-1], "reward": 0.0, "done": False,
+                        "state": "", "item_recall": 0.0, "token_f1": 0.0}
+        return {**rec, "parsed": True, "reward": out.reward, "done": out.done, "state": out.next_state,
+                "reasoning": out.reasoning, "item_recall": item_recall(out.next_state, ex.truth.next_state),
+                "token_f1": token_f1(out.next_state, ex.truth.next_state)}
+
+    return list(await asyncio.gather(*(one(ex) for ex in examples)))
+
+
+JUDGE_PROMPT = ("You grade a simulated text-environment transition against the real one. Score 1-5 each: "
+                "consistency (the predicted next state follows from the state and action), informativeness "
+                "(it gives the details an agent needs), hallucination (5 = nothing invented). Reply as "
+                "consistency=N informativeness=N hallucination=N.\n\nState:\n{state}\nAction: {action}\n"
+                "Real next state:\n{real}\nPredicted next state:\n{pred}\n")
+
+
+async def judge(client: Any, examples: list[MexpExample], records: list[dict]) -> dict[str, float]:
+    """Mean LLM-judge scores over the parsed steps (unparseable judge replies are skipped)."""
+    scores: dict[str, list[int]] = {"consistency": [], "informativeness": [], "hallucination": []}
+    for ex, rec in zip(examples, records):
+        if not rec["parsed"]:
+            continue
+        res = await client.generate(JUDGE_PROMPT.format(state=ex.state, action=ex.action, real=ex.truth.next_state,
+                                                        pred=rec["state"]),
+                                    sampling_params={"max_new_tokens": 40, "temperature": 0.0})
+        for key in scores:
+            m = re.search(rf"{key}\s*=\s*([1-5])", res.text, re.I)
+            if m:
+                scores[key].append(int(m.group(1)))
+    return {f"judge_{k}": (sum(v) / len(v) if v else float("nan")) for k, v in scores.items()}
+
+
+async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held_trajs: list, data_dir: str | Path,
+                  variants: list[str], max_steps: int = 0, judge_url: str = "", max_batch_size: int = 16) -> dict:
+    """Start an engine serving `checkpoint` (or the base model) and replay held-out steps in each variant."""
+    import tempfile
+
+    from infra.engine_client import EngineClient
+    from infra.engine_server import start_embedded_engine
+    from infra.model_loading import load_tokenizer
+    from simulator.embedder import Embedder
+    from simulator.experience_model import ExperienceModel
+    from simulator.replay_buffer import EdgeBuffer, seed_buffer
+
+    model = checkpoint or "smollm2"
+    tokenizer = load_tokenizer(model)
+    embedder = Embedder(cache_path=Path(data_dir) / ".cache" / "embeddings.sqlite")
+    engine = await start_embedded_engine(model=model, max_batch_size=max_batch_size)
+    results: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="fidelity-buffer-") as tmp:
+            buffer = EdgeBuffer(Path(tmp) / "edge", embedder)
+            seed_buffer(buffer, train_trajs)
+            async with EngineClient([engine.url]) as client:
+                for name in variants:
+                    vcfg = replace(cfg, **VARIANTS[name])
+                    examples = build_examples(held_trajs, tokenizer, vcfg, buffer)
+                    if max_steps:
+                        examples = examples[:max_steps]
+                    mexp = ExperienceModel(client, buffer, vcfg, tokenizer)
+                    t0 = time.monotonic()
+                    records = await replay(mexp, examples, max_batch_size)
+                    summary = summarize(records)
+                    summary["seconds"] = time.monotonic() - t0
+                    if judge_url:
+                        async with EngineClient([judge_url], role="judge") as jc:
+                            summary.update(await judge(jc, examples, records))
+                    results[name] = {"summary": summary, "records": records}
+            buffer.close()
+    finally:
+        await engine.stop()
+        embedder.close()
+    return results
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from infra.cli import add_config_arguments
+
+    add_config_arguments(p)
+    p.add_argument("--family", default="textworld", help="offline dataset family (default: %(default)s)")
+    p.add_argument("--checkpoints", default="",
+                   help="comma-separated Mexp checkpoints to compare; 'base' = the untrained model "
+                        "(default: simulator.checkpoint, else base)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="settings to run (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=0, help="replay at most this many held-out steps (0 = all)")
+    p.add_argument("--temperature", type=float, default=0.0, help="Mexp sampling temperature (default: greedy)")
+    p.add_argument("--retries", type=int, default=0, help="parse retries per step (default 0: per-sample failure rate)")
+    p.add_argument("--judge-url", default="", help="SGLang-compatible endpoint of an LLM judge (optional)")
+    p.add_argument("--out", default="", help="JSON report path (default: <run_dir>/fidelity.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from infra.cli import config_from_args
+
+    cfg = config_from_args(args)
+    sim = replace(cfg.simulator, temperature=args.temperature, parse_retries=args.retries)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    ckpts = [c.strip() for c in (args.checkpoints or sim.checkpoint or "base").split(",") if c.strip()]
+    trajs = load_offline(cfg.infra.data_dir, args.family)
+    train_trajs, held_trajs = split_trajectories(trajs, sim.heldout_frac, cfg.infra.data_dir, args.family)
+    report: dict[str, Any] = {"heldout_tasks": sorted({t.task_id for t in held_trajs}), "results": {}}
+    for ck in ckpts:
+        report["results"][ck] = asyncio.run(measure(sim, "" if ck == "base" else ck, train_trajs, held_trajs,
+                                                    cfg.infra.data_dir, variants, args.max_steps, args.judge_url,
+                                                    cfg.engines.max_batch_size))
+    out = Path(args.out or Path(cfg.infra.run_dir) / "fidelity.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    cols = ["steps", "parse_failure_rate", "reward_accuracy", "delta_r_mean", "delta_r_max", "done_accuracy",
+            "item_recall", "token_f1"]
+    table = Table(title=f"Mexp fidelity on {len(held_trajs)} held-out real trajectories")
+    for c in ["checkpoint", "setting"] + cols:
+        table.add_column(c)
+    for ck, res in report["results"].items():
+        for name, r in res.items():
+            s = r["summary"]
+            table.add_row(ck, name, *(f"{s.get(c, float('nan')):.3g}" if c != "steps" else str(s.get(c, 0))
+                                      for c in cols))
+    Console().print(table)
+    Console().print(f"report: {out}")
+    return 0

@@ -1,0 +1,73 @@
+"""Fidelity metrics against slow obvious references, and a teacher-forced replay."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.config import SimulatorConfig
+from infra.schema import Step, Task, Trajectory
+from simulator.fidelity import item_recall, replay, summarize, token_f1
+from simulator.mexp_data import build_examples
+
+REAL = "Goal: g\nRoom: Hall.\nActions:\n[1] go north\n[2] open door\n[3] take key"
+
+
+def _slow_f1(pred: str, real: str) -> float:
+    import re
+
+    p, r = re.findall(r"\w+", pred.lower()), re.findall(r"\w+", real.lower())
+    if not p and not r:
+        return 1.0
+    common, rest = 0, list(r)
+    for w in p:
+        if w in rest:
+            rest.remove(w)
+            common += 1
+    if not common:
+        return 0.0
+    prec, rec = common / len(p), common / len(r)
+    return 2 * prec * rec / (prec + rec)
+
+
+@pytest.mark.parametrize("pred", ["", REAL, "Room: Hall.\nActions:\n[1] go north", "the the door door key", "x y z"])
+def test_token_f1_matches_reference(pred):
+    assert token_f1(pred, REAL) == pytest.approx(_slow_f1(pred, REAL))
+
+
+def test_item_recall():
+    assert item_recall(REAL, REAL) == 1.0
+    assert item_recall("Room: x\n[4] take key\n[9] Go North", REAL) == pytest.approx(2 / 3)
+    assert item_recall("no items", REAL) == 0.0
+
+
+def test_summarize_counts_rejections_as_wrong():
+    recs = [dict(parsed=True, reward=1.0, true_reward=1.0, done=True, true_done=True, item_recall=1.0, token_f1=1.0),
+            dict(parsed=True, reward=0.0, true_reward=1.0, done=False, true_done=True, item_recall=0.5, token_f1=0.5),
+            dict(parsed=False, reward=0.0, true_reward=0.0, done=False, true_done=False, item_recall=0.0, token_f1=0.0)]
+    s = summarize(recs)
+    assert s["parse_failure_rate"] == pytest.approx(1 / 3)
+    assert s["reward_accuracy"] == pytest.approx(1 / 3) and s["done_accuracy"] == pytest.approx(1 / 3)
+    assert s["delta_r_mean"] == 0.5 and s["delta_r_max"] == 1.0
+    assert s["item_recall"] == pytest.approx(0.5)
+
+
+@pytest.mark.slow
+async def test_replay_is_teacher_forced():
+    from infra.model_loading import load_tokenizer
+    from simulator.experience_model import ExperienceModel
+    from tests.test_experience_model import ScriptedClient
+
+    tok = load_tokenizer()
+    nxt = "Goal: g\nRoom: North.\nActions:\n[1] go south"
+    traj = Trajectory("t", "g", task=Task("t", "g"), steps=[
+        Step(state=REAL, action="go north", next_state=nxt, reasoning="moved"),
+        Step(state=nxt, action="go south", next_state=REAL, reward=1.0, done=True, reasoning="back")])
+    examples = build_examples([traj], tok, SimulatorConfig(retrieval=False), None)
+    client = ScriptedClient(["moved</think><state>\nRoom: North.\nActions:\n[1] go south\n</state>"
+                             "<reward>0</reward><done>false", "junk"])
+    records = await replay(ExperienceModel(client, None, SimulatorConfig(retrieval=False, parse_retries=0), tok),
+                           examples, concurrency=1)
+    assert records[0]["parsed"] and records[0]["item_recall"] == 1.0 and records[0]["token_f1"] == 1.0
+    assert not records[1]["parsed"] and records[1]["true_done"] is True
+    assert "Previous actions: go north" in client.prompts[1]  # the real history, not Mexp's
+    assert "Room: North." in client.prompts[1]  # the real state, teacher-forced
