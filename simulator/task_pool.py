@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import logging
+from pathlib import Path
 from typing import Iterable
 
 import redis.asyncio as aioredis
@@ -134,6 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=50, help="most rows in the table (default: %(default)s; 0 = all)")
     p.add_argument("--sort", choices=("variance", "n", "id", "lineage"), default="variance",
                    help="row order (default: %(default)s)")
+    p.add_argument("--prefix", default="", help="Redis key prefix of the run (default: the latest run's, from "
+                                                "<run_dir>/latest.json, else infra.stream_prefix)")
 
 
 async def pool_report(client: aioredis.Redis, prefix: str) -> dict:
@@ -194,15 +197,21 @@ def run(args: argparse.Namespace) -> int:
     from infra.streams import connect
 
     cfg = config_from_args(args)
-    if not cfg.infra.redis_url:
+    url, prefix = cfg.infra.redis_url, args.prefix
+    latest = Path(cfg.infra.run_dir) / "latest.json"  # written by `dreamgym train` (infra/driver.py)
+    if latest.exists() and (not url or not prefix):
+        info = json.loads(latest.read_text())
+        url, prefix = url or info.get("redis_url", ""), prefix or info.get("prefix", "")
+    prefix = prefix or cfg.infra.stream_prefix
+    if not url:
         print("dreamgym tasks: the pool lives in the run's Redis; give its URL, e.g. "
               "`dreamgym tasks configs/quickstart.yaml infra.redis_url=redis://127.0.0.1:6379/0`")
         return 2
 
     async def main() -> dict:
-        client = connect(cfg.infra.redis_url, cfg.infra.redis_tls_ca)
+        client = connect(url, cfg.infra.redis_tls_ca)
         try:
-            return await pool_report(client, cfg.infra.stream_prefix)
+            return await pool_report(client, prefix)
         finally:
             await client.aclose()
 

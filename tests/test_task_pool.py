@@ -83,14 +83,24 @@ async def test_dreamgym_tasks_lists_pool_with_stats_and_lineage(redis_url):
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # the real command, in a thread with its own event loop
-        rc = await asyncio.to_thread(cli.main, ["tasks", f"infra.redis_url={redis_url}", "infra.stream_prefix=cli",
-                                                "--json"])
+        rc = await asyncio.to_thread(cli.main, ["tasks", f"infra.redis_url={redis_url}", "--prefix", "cli", "--json"])
     assert rc == 0
     listed = json.loads(out.getvalue())
     assert listed["size"] == 3 and listed["generated"] == 2
     await client.aclose()
 
 
-def test_dreamgym_tasks_without_redis_url_says_what_to_pass(capsys):
-    assert cli.main(["tasks", "infra.redis_url="]) == 2
+async def test_dreamgym_tasks_finds_the_latest_run(redis_url, tmp_path):
+    client = connect(redis_url)
+    await TaskPool(client, "dreamgym:run1").add(family())
+    (tmp_path / "latest.json").write_text(json.dumps({"redis_url": redis_url, "prefix": "dreamgym:run1"}))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = await asyncio.to_thread(cli.main, ["tasks", f"infra.run_dir={tmp_path}", "--json"])
+    assert rc == 0 and json.loads(out.getvalue())["size"] == 3
+    await client.aclose()
+
+
+def test_dreamgym_tasks_without_redis_url_says_what_to_pass(capsys, tmp_path):
+    assert cli.main(["tasks", "infra.redis_url=", f"infra.run_dir={tmp_path}"]) == 2
     assert "infra.redis_url=" in capsys.readouterr().out
