@@ -190,6 +190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scripted baseline, an SGLang-compatible policy endpoint, or a local checkpoint served in-process")
     p.add_argument("--endpoint", default="", help="policy engine URL for --policy endpoint")
     p.add_argument("--checkpoint", default="", help="model directory for --policy checkpoint")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="engine policies: sampling temperature over the candidate labels (0 = greedy, reproducible)")
     p.add_argument("--split", default="heldout", choices=["heldout", "train"], help="which task split to evaluate")
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N tasks (0 = all)")
     p.add_argument("--episodes", type=int, default=1, help="episodes per task")
@@ -214,7 +216,7 @@ async def _engine_chooser(args: argparse.Namespace, cfg: Any):
         url = args.endpoint
     client = EngineClient([url], role="policy")
     tokenizer = load_tokenizer(args.checkpoint or cfg.engines.model)
-    chooser = choice_policy_chooser(ChoicePolicy(client, tokenizer, temperature=1.0, seed=cfg.infra.seed))
+    chooser = choice_policy_chooser(ChoicePolicy(client, tokenizer, temperature=args.temperature, seed=cfg.infra.seed))
 
     async def cleanup() -> None:
         await client.close()
