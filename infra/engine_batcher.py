@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from infra.engine_sampling import sample_tokens
 from infra.metrics import ENGINE_BATCH_SIZE, ENGINE_QUEUE_DEPTH
 
 log = logging.getLogger(__name__)
@@ -359,11 +360,13 @@ class Batcher:
     def _sample_and_advance(self, reqs: list[GenRequest], logits: torch.Tensor) -> list[int]:
         """Sample one token per row, record it, finish rows that are done; returns the rows to keep."""
         logprobs = torch.log_softmax(logits, dim=-1)
+        toks = sample_tokens(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
+                             [r.params.top_k for r in reqs], [r.generator for r in reqs])
+        chosen = logprobs.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
         keep = []
-        for i, req in enumerate(reqs):
-            tok = _sample(logits[i], req.params, req.generator)
+        for i, (req, tok) in enumerate(zip(reqs, toks)):
             req.output_ids.append(tok)
-            req.logprobs.append(float(logprobs[i, tok]))
+            req.logprobs.append(chosen[i])
             if req.token_ids_logprob:
                 row = logprobs[i, req.token_ids_logprob].tolist()
                 req.tid_logprobs.append(dict(zip(req.token_ids_logprob, row)))
@@ -411,23 +414,6 @@ def _eos_ids(model, tokenizer) -> set[int]:
         elif isinstance(v, (list, tuple)):
             ids.update(int(x) for x in v)
     return ids
-
-
-def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    if p.temperature == 0.0 or p.top_k == 1:
-        return int(torch.argmax(logits))
-    scaled = logits / p.temperature
-    if p.top_k > 0 and p.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= p.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _merge(cache_a, mask_a: torch.Tensor, cache_b, mask_b: torch.Tensor):
