@@ -59,8 +59,17 @@ class PolicyModel(nn.Module):
 
     def forward_choice(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
                        chosen_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(log-prob of each chosen label [B], value [B] or None)."""
-        logits, hidden = choice_forward(self.lm, self.tokenizer, prompts, want_hidden=self.value_head is not None)
+        """(log-prob of each chosen label [B], value [B] or None).
+
+        Identical prompts (a GRPO group's first step: same task, same initial state) go
+        through the model once; indexing back keeps the gradient of every copy."""
+        unique = list(dict.fromkeys(prompts))
+        logits, hidden = choice_forward(self.lm, self.tokenizer, unique, want_hidden=self.value_head is not None)
+        if len(unique) < len(prompts):
+            where = {p: i for i, p in enumerate(unique)}
+            index = torch.tensor([where[p] for p in prompts], device=logits.device)
+            logits = logits.index_select(0, index)
+            hidden = hidden.index_select(0, index) if hidden is not None else None
         logp = gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
         values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
         return logp, values

@@ -70,6 +70,16 @@ def test_choice_logprobs_batch_equals_one_by_one(smollm2):
         direct = torch.log_softmax(model(ids).logits[0, -1, labels[0]], -1)[-1]
     assert torch.allclose(batch, single, atol=1e-4)
     assert float(single[0]) == pytest.approx(float(direct), abs=1e-5)
+
+    # The learner's forward runs duplicate prompts once and indexes back: same numbers.
+    from learner.policy_model import PolicyModel
+
+    pm = PolicyModel(model=model, tokenizer=tok)
+    dup = [0, 1, 0, 2, 0]
+    with torch.no_grad():
+        got, _ = pm.forward_choice([prompts[i] for i in dup], [labels[i] for i in dup], [chosen[i] for i in dup])
+    model.eval()
+    assert torch.allclose(got, single[dup], atol=1e-4)
     with pytest.raises(ValueError):
         choice_logprobs(model, tok, [prompts[0]], [labels[0]], [12345])
 
