@@ -210,7 +210,7 @@ async def train_sync(learner: Any, source: Any, pool: Any, client: Any, prefix: 
                      stop: Any = None) -> None:
     """Synchronous mode: push one update's worth of tasks, let the workers play them, train; repeat."""
     from infra.schema import encode
-    from infra.streams import StreamProducer, tasks_stream
+    from infra.streams import StreamProducer, tasks_stream, trajectories_stream
     from infra.task_sampler import stream_backlog
 
     producer = StreamProducer(client, tasks_stream(prefix))
@@ -218,11 +218,13 @@ async def train_sync(learner: Any, source: Any, pool: Any, client: Any, prefix: 
     await learner.consumer.ensure_group()
     while learner.updates < learner.cfg.total_updates and not (stop is not None and stop.is_set()):
         idle = all(not s.get("inflight") for s in await pool.statuses())
-        if idle and await stream_backlog(client, tasks_stream(prefix)) == 0 and not learner._ready:
+        missing = n - len(learner._ready)  # groups the learner still needs (zero-variance ones were dropped)
+        if (idle and missing > 0 and await stream_backlog(client, tasks_stream(prefix)) == 0
+                and await stream_backlog(client, trajectories_stream(prefix), "learner") == 0):
             tasks: list = []
-            while len(tasks) < n:
+            while len(tasks) < missing:
                 tasks += await source.next_batch()
-            await producer.add(encode(t) for t in tasks[:n])
+            await producer.add(encode(t) for t in tasks[:missing])
         stats = await learner.step()
         if stats is not None:
             on_update(stats)

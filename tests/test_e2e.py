@@ -73,3 +73,40 @@ async def test_tiny_async_run_trains_on_exactly_the_workers_trajectories(redis_u
     # every stream entry was trained on, discarded (both acked), is held unacked, or was not read yet
     assert len(consumed) + discarded + pending + lag == len(produced)
     await client.aclose()
+
+
+async def test_tiny_sync_run_trains_only_on_fresh_trajectories(redis_url, smollm2, tmp_path):
+    """--sync: roll out, then train; every trajectory an update uses was played by the current weights."""
+    from infra.phases import train_sync
+    from learner.learner import Learner
+    from learner.policy_model import PolicyModel
+
+    model, tok = smollm2
+    client = connect(redis_url)
+    lcfg = LearnerConfig(groups_per_update=2, total_updates=2, lr=1e-4, checkpoint_every=100, max_staleness=0)
+    consumer = StreamConsumer(client, trajectories_stream(PREFIX), "learner", "l0", lambda b: decode_as(b, Trajectory))
+    learner = Learner(lcfg, "smollm2", tmp_path, consumer, None, group_size=4,
+                      policy=PolicyModel("smollm2", model=copy.deepcopy(model), tokenizer=tok))
+    acfg = ActorsConfig(group_size=4, concurrent_episodes=4, max_steps=3)
+    policies: list[ScriptedPolicy] = []
+
+    def spawn(wid):
+        policies.append(ScriptedPolicy(seed=10 + len(policies), p_first=0.6))
+        return LocalWorkerHandle(RolloutWorker(wid, client, PREFIX, policies[-1], lambda: LadderEnv(2), acfg))
+
+    def on_update(s):
+        for p in policies:
+            p.version = s.version
+
+    pool = WorkerPool(spawn)
+    sampler = UniformTaskSampler(client, PREFIX, [Task(task_id=f"s{i}", instruction="climb") for i in range(4)],
+                                 batch_size=2)
+    await pool.scale_to(2)
+    await asyncio.wait_for(train_sync(learner, sampler, pool, client, PREFIX, on_update), 900)
+    await pool.stop_all(drain=False)
+    assert learner.version == 2
+    by_id = {t.trajectory_id: t for t in (decode_as(f[b"d"], Trajectory)
+                                          for _, f in await client.xrange(trajectories_stream(PREFIX)))}
+    half = len(learner.consumed_ids) // 2  # both updates use groups_per_update * G trajectories
+    assert [by_id[i].policy_version for i in learner.consumed_ids] == [0] * half + [1] * half
+    await client.aclose()
