@@ -27,7 +27,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from actors.envs.base import ACTIONS_HEADER, AbstractState, StateFormatError
+from actors.envs.base import AbstractState, ActionFormatError, StateFormatError, parse_action
 from infra.schema import Task
 
 LABELS = string.ascii_lowercase + string.ascii_uppercase
@@ -67,13 +67,35 @@ def label_token_ids(tokenizer: Any, n: int) -> list[int]:
     return ids
 
 
-def _state_description(state: str) -> str:
-    """The state without its numbered item list (the options replace it), else the raw text."""
+_GOAL_PREFIXES = ("goal:", "task:", "objective:")
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def _state_view(state: str, instruction: str) -> tuple[str, dict[int, str]]:
+    """(the state's description without its item list and without a line repeating the
+    instruction, item text by ref); the raw text and no items if it does not parse."""
     try:
         parsed = AbstractState.parse(state)
     except StateFormatError:
-        return state.strip()
-    return parsed.description or state.replace(ACTIONS_HEADER, "").strip()
+        return state.strip(), {}
+    goal = _norm(instruction)
+    lines = [ln for ln in parsed.description.splitlines()
+             if not (goal and ln.strip().lower().startswith(_GOAL_PREFIXES) and _norm(ln.split(":", 1)[1]) == goal)]
+    return "\n".join(lines).strip(), dict(parsed.items)
+
+
+def _option_text(candidate: str, items: dict[int, str]) -> str:
+    """A web action names an element by ref only; show the element too ("click [4] (button 'okay')")."""
+    try:
+        action = parse_action(candidate)
+    except ActionFormatError:
+        return candidate
+    if action.kind in ("click", "type") and action.ref in items:
+        return f"{candidate} ({items[action.ref]})"
+    return candidate
 
 
 def build_choice_prompt(tokenizer: Any, task: Task | None, state: str, candidates: Sequence[str],
@@ -91,7 +113,7 @@ def build_choice_prompt(tokenizer: Any, task: Task | None, state: str, candidate
     lines = []
     if task is not None and task.instruction:
         lines.append(f"Goal: {task.instruction.strip()}")
-    desc = _state_description(state)
+    desc, items = _state_view(state, task.instruction if task is not None else "")
     if desc:
         lines.append(f"State:\n{desc}")
     recent = [h if isinstance(h, str) else str(getattr(h, "action", h)) for h in history]
@@ -99,7 +121,7 @@ def build_choice_prompt(tokenizer: Any, task: Task | None, state: str, candidate
     if recent:
         lines.append("Previous actions: " + "; ".join(recent))
     lines.append("Options:")
-    lines += [f"{LABELS[i]}) {c}" for i, c in enumerate(candidates)]
+    lines += [f"{LABELS[i]}) {_option_text(c, items)}" for i, c in enumerate(candidates)]
     lines.append("Answer with one letter.")
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
     prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "collect": ("actors.collect", "Collect offline trajectories from real environments (expert, noisy, random)."),
     "eval": ("actors.evaluate", "Evaluate a policy on held-out real tasks: success with 95% CI, steps, invalid rate."),
     "train-mexp": ("learner.mexp_sft", "Fine-tune the experience model on offline data (paper Eq. 5)."),
+    "warm-start": ("learner.policy_sft", "Supervised warm start of the policy on expert offline steps (choice form)."),
     "fidelity": ("simulator.fidelity", "Replay held-out real trajectories through Mexp: reward/done accuracy, state agreement."),
     "scale": ("infra.scale", "Add or remove rollout workers of a running training job."),
     "tasks": ("simulator.task_pool", "List the curriculum's task pool with statistics and lineage."),

@@ -13,6 +13,7 @@ negative of `choice_logprobs`, the same quantity RL optimises.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import random
@@ -130,3 +131,42 @@ def warm_start(cfg: Any, offline: Iterable[Trajectory], out_dir: str | Path,
     log.info("warm start: %d steps on %d expert transitions, loss %.3f -> %.3f", len(losses), len(examples),
              losses[0], losses[-1])
     return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from infra.cli import add_config_arguments
+
+    add_config_arguments(p)
+    p.add_argument("--trajectories", default="", help="offline trajectory file (default: the dataset of actors.env_family)")
+    p.add_argument("--out", default="", help="output model directory (default: <data_dir>/policy-warm/<family>, "
+                                             "the one `dreamgym train` reuses)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dreamgym warm-start`: the policy warm start alone, with a live loss readout."""
+    import time
+
+    from rich.progress import Progress
+
+    from actors.dataset import read_trajectories, trajectories_path
+    from infra.cli import config_from_args
+
+    cfg = config_from_args(args)
+    family = cfg.actors.env_family
+    src = Path(args.trajectories) if args.trajectories else trajectories_path(cfg.infra.data_dir, family)
+    if not src.exists():
+        print(f"no offline trajectories at {src}; run `dreamgym collect` first")
+        return 2
+    if cfg.learner.warm_start_steps <= 0:
+        print("learner.warm_start_steps is 0: nothing to do (e.g. add learner.warm_start_steps=32)")
+        return 2
+    out = Path(args.out) if args.out else Path(cfg.infra.data_dir) / "policy-warm" / family
+    t0 = time.perf_counter()
+    with Progress() as progress:
+        bar = progress.add_task("policy warm start", total=cfg.learner.warm_start_steps)
+        path = warm_start(cfg, read_trajectories(src), out,
+                          on_step=lambda i, loss: progress.update(bar, advance=1, description=f"warm start loss {loss:.3f}"))
+    report = json.loads((path / "warm_start.json").read_text())
+    print(f"wrote {path}: {report['steps']} steps on {report['examples']} expert transitions, "
+          f"loss {report['first_loss']:.3f} -> {report['last_loss']:.3f} ({time.perf_counter() - t0:.0f} s)")
+    return 0

@@ -46,6 +46,17 @@ def test_labels_are_single_tokens_and_prompt_lists_options(tok):
     assert prompt.endswith("<|im_start|>assistant\n") and labels == [81, 82, 83]
     with pytest.raises(ValueError):
         build_choice_prompt(tok, TASK, STATES[0][0], [])
+
+
+def test_prompt_drops_a_repeated_goal_and_names_web_elements(tok):
+    task = Task("w", 'Click on the "Ok" button.')
+    state = 'Task: Click on the  "Ok" button.\nActions:\n[4] div \'lorem\'\n[6] button \'Ok\'\n[7] input_text #name'
+    prompt, _ = build_choice_prompt(tok, task, state, ["click [4]", "click [6]", 'type [7] "bob"'])
+    assert prompt.count('Click on the "Ok" button.') == 1  # the state's goal line repeats the instruction
+    assert "b) click [6] (button 'Ok')" in prompt and 'c) type [7] "bob" (input_text #name)' in prompt
+    # A state that does not parse is shown as it is.
+    prompt, _ = build_choice_prompt(tok, task, "just text", ["wait"])
+    assert "State:\njust text" in prompt and "a) wait" in prompt
     with pytest.raises(ValueError):
         label_token_ids(tok, len(LABELS) + 1)
 
