@@ -72,13 +72,15 @@ def collect(family: str, tasks: list[Task], policies: list[str], episodes: int, 
     return [t for i in sorted(results) for t in results[i]]
 
 
-async def _teacher_rationales(trajs: list[Trajectory], endpoint: str, model: str, concurrency: int = 4) -> int:
-    """Rewrite rationales with a teacher LLM; returns how many steps it wrote."""
+async def _teacher_rationales(trajs: list[Trajectory], endpoint: str, model: str, concurrency: int = 4,
+                              timeout_s: float = 300.0) -> tuple[int, list[str]]:
+    """Rewrite rationales with a teacher LLM; returns (steps it wrote, errors of the calls that failed)."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=endpoint, api_key="none", timeout=60.0, max_retries=1)
+    client = AsyncOpenAI(base_url=endpoint, api_key="none", timeout=timeout_s, max_retries=1)
     sem = asyncio.Semaphore(concurrency)
     written = 0
+    errors: list[str] = []
 
     async def one(step: Any) -> None:
         nonlocal written
@@ -90,15 +92,16 @@ async def _teacher_rationales(trajs: list[Trajectory], endpoint: str, model: str
                 r = await client.chat.completions.create(model=model or "teacher", max_tokens=96, temperature=0.2,
                                                          messages=[{"role": "user", "content": prompt}])
                 text = (r.choices[0].message.content or "").strip()
-            except Exception:
-                return  # keep the env rationale and its source
+            except Exception as exc:  # keep the env rationale and its source; say so at the end
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                return
         if text:
             step.reasoning, step.reasoning_source = text, "teacher"
             written += 1
 
     await asyncio.gather(*(one(s) for t in trajs for s in t.steps))
     await client.close()
-    return written
+    return written, errors
 
 
 def summary_rows(trajs: list[Trajectory]) -> list[dict]:
@@ -155,8 +158,10 @@ def run(args: argparse.Namespace) -> int:
                         cfg.data.max_steps, workers, seed=cfg.infra.seed,
                         progress=lambda n: prog.advance(bar, n))
     if cfg.data.teacher_endpoint:
-        n = asyncio.run(_teacher_rationales(trajs, cfg.data.teacher_endpoint, cfg.data.teacher_model))
-        console.print(f"teacher wrote {n} rationales")
+        n, errors = asyncio.run(_teacher_rationales(trajs, cfg.data.teacher_endpoint, cfg.data.teacher_model,
+                                                    timeout_s=cfg.engines.request_timeout_s))
+        console.print(f"teacher wrote {n} rationales; {len(errors)} calls failed (kept the env rationale)"
+                      + (f", first: {errors[0]}" if errors else ""))
     out = trajectories_path(data_dir, args.family)
     write_trajectories(out, trajs)
     table = Table(title=f"dreamgym collect: {args.family} ({time.perf_counter() - t0:.1f} s)")
