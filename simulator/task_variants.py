@@ -13,7 +13,8 @@ its reply, and the checks a variant passes before it joins the pool:
    state passes that state on (its actionable items are the seed's, so the
    variant keeps the seed's action types), with the goal line rewritten; the
    variant must name something in that state, else its target does not exist
-   there. A seed without one is started by the simulator (`ExperienceModel.
+   there, and use one of its action types (the first word of a candidate action,
+   or a listed synonym), else it is rejected as `wrong_actions`. A seed without one is started by the simulator (`ExperienceModel.
    initial_state`, or any `StartState`), whose reply must be a valid abstract
    state; that state is kept as the variant's initial state, so all rollouts of a
    group start alike.
@@ -34,7 +35,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import numpy as np
 
-from actors.envs.base import AbstractState, StateFormatError, validate_state
+from actors.envs.base import AbstractState, StateFormatError, candidate_actions, validate_state
 from infra import metrics
 from infra.config import CurriculumConfig
 from infra.schema import Task, new_id
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 StartState = Callable[[Task], Awaitable[str]]  # the simulator's initial state for a task (may raise)
 
-OUTCOMES = ("accepted", "unparseable", "duplicate", "infeasible", "engine_error")
+OUTCOMES = ("accepted", "unparseable", "duplicate", "infeasible", "wrong_actions", "engine_error")
 
 SYSTEM = ("You write new training tasks for a text-game agent. Given a task, write ONE new task of the same kind: "
           "the same kind of actions, but a different target object, place, constraint or detail. "
@@ -89,7 +90,7 @@ def parse_variant(text: str) -> str:
     lines = [_clean(l) for l in _THINK.sub("", text).splitlines()]
     lines = [l for l in lines if l]
     if not lines:
-        raise VariantParseError("empty reply")
+        raise VariantParseError("empty reply (or its only line was cut at the token cap)")
     candidate = None
     for l in lines:
         m = _LABEL.match(l)
@@ -122,6 +123,24 @@ def check_instruction(instr: str) -> None:
 
 def content_words(text: str) -> set[str]:
     return {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) > 2 and w not in _STOP}
+
+
+# Words a task may use for an action type (Eq. 6: a variant keeps the seed's action types).
+_SYNONYMS = {"take": {"pick", "get", "grab", "retrieve", "collect", "fetch"}, "go": {"move", "walk", "head", "travel"},
+             "click": {"press", "select", "choose", "check", "tick", "pick"}, "type": {"enter", "fill", "write", "input"},
+             "put": {"place", "set", "drop", "insert"}, "insert": {"put", "place"}, "open": {"unlock"},
+             "unlock": {"open"}, "eat": {"consume"}, "examine": {"look", "inspect", "check"}}
+
+
+def action_verbs(state: AbstractState) -> set[str]:
+    """The action types available in a state: the first word of each candidate action."""
+    return {a.split()[0].lower() for a in candidate_actions(state, ("x",)) if a.split()}
+
+
+def uses_action_types(instruction: str, verbs: set[str]) -> bool:
+    words = set(re.findall(r"[a-z]+", instruction.lower()))
+    allowed = set(verbs).union(*(_SYNONYMS.get(v, set()) for v in verbs))
+    return any(w in allowed or any(len(v) > 2 and w.startswith(v) and len(w) - len(v) <= 3 for v in allowed) for w in words)
 
 
 def derive_initial_state(parent_state: str, instruction: str) -> str:
@@ -228,7 +247,8 @@ class TaskVariantGenerator:
                               "root": seed.meta.get("root", seed.task_id) if seed.generated else seed.task_id})
             why = await self._feasibility(seed, task)
             if isinstance(why, str):
-                reject(seed, "infeasible", why, raw)
+                reason, _, detail = why.partition(": ") if why.startswith("wrong_actions") else ("infeasible", "", why)
+                reject(seed, reason, detail, raw)
                 continue
             out.accepted.append(why)
             metrics.CURRICULUM_VARIANTS.labels("accepted").inc()
@@ -258,6 +278,9 @@ class TaskVariantGenerator:
             scene = content_words(state.replace(task.instruction, "")) | content_words(" ".join(t for _, t in parsed.items))
             if not content_words(task.instruction) & scene:
                 return "names nothing present in the start state"
+            verbs = action_verbs(parsed)
+            if verbs and not uses_action_types(task.instruction, verbs):
+                return f"wrong_actions: uses none of the seed's action types ({', '.join(sorted(verbs)[:8])})"
             return replace(task, initial_state=state, meta={**task.meta, "initial_state_from": "parent"})
         if self.start_state is None:
             return "no simulator to start a task without an initial state"

@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 from actors.envs.base import validate_state
 from infra.config import CurriculumConfig
 from infra.schema import Task
-from simulator.task_variants import (CutOffReply, TaskVariantGenerator, VariantParseError, build_messages, derive_initial_state,
+from simulator.task_variants import (OUTCOMES, CutOffReply, TaskVariantGenerator, VariantParseError, build_messages, derive_initial_state,
                                      parse_variant)
 
 KITCHEN = """Goal: take the red key from the table
@@ -44,6 +44,18 @@ def test_parser_is_strict_on_content(reply):
         parse_variant(reply)
 
 
+def test_action_types_of_a_state_and_their_synonyms():
+    from actors.envs.base import AbstractState
+    from simulator.task_variants import action_verbs, uses_action_types
+
+    verbs = action_verbs(AbstractState.parse(KITCHEN))
+    assert verbs == {"take", "open", "go"}
+    assert uses_action_types("grab the blue key", verbs) and uses_action_types("opens the fridge", verbs)
+    assert not uses_action_types("admire the fridge", verbs)
+    web = AbstractState.parse("Form\n[1] button 'Login'\n[2] input_text #user")
+    assert action_verbs(web) == {"click", "type"} and uses_action_types("enter the user name", action_verbs(web))
+
+
 def test_derived_state_keeps_the_parents_actions_and_rewrites_the_goal():
     s = derive_initial_state(KITCHEN, "take the blue key from the table")
     assert s.splitlines()[0] == "Goal: take the blue key from the table"
@@ -70,7 +82,7 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
         return "the page could not be imagined"  # not an abstract state
 
     gen = TaskVariantGenerator(None, None, CurriculumConfig(duplicate_threshold=0.95), embedder, start_state)
-    before = {o: _count(o) for o in ("accepted", "unparseable", "duplicate", "infeasible", "engine_error")}
+    before = {o: _count(o) for o in OUTCOMES}
     existing = [SEED, BARE]
     proposals = [
         (SEED, "Sure! Here is one:\nTask: take the blue key from the table"),  # valid
@@ -78,6 +90,7 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
         (SEED, "Task: Take the red key from the table."),                      # the seed again
         (SEED, "Task: take the blue key from the table please"),                # same as the one just accepted
         (SEED, "Task: fly the spaceship to planet mars"),                      # nothing of it in the kitchen
+        (SEED, "Task: admire the red key lying on the table"),                 # no take/open/go action in it
         (BARE, "Task: click the Submit button twice then Cancel"),             # simulator starts it
         (BARE, "Task: drag the slider all the way right"),                     # simulator cannot start it
         (BARE, TimeoutError("engine down")),
@@ -94,11 +107,12 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
     assert why["Task: take the blue key from the table please"][0] == "duplicate"
     assert why["Task: fly the spaceship to planet mars"][0] == "infeasible"
     assert "names nothing present" in why["Task: fly the spaceship to planet mars"][1]
+    assert why["Task: admire the red key lying on the table"][0] == "wrong_actions"
     assert why["Task: drag the slider all the way right"][0] == "infeasible"
     assert "invalid" in why["Task: drag the slider all the way right"][1]
     assert why["TimeoutError: engine down"][0] == "engine_error"
     assert why["Task: click the Submit button and then the"][0] == "unparseable"  # its only line was cut
-    assert len(r.rejected) == 7
+    assert len(r.rejected) == 8
     kitchen, web, _ = r.accepted
     assert kitchen.parent_id == "tw-1" and kitchen.generated and kitchen.meta["depth"] == 1
     assert kitchen.initial_state.startswith("Goal: take the blue key") and kitchen.meta["initial_state_from"] == "parent"
@@ -108,7 +122,8 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
     assert _count("infeasible") - before["infeasible"] == 2
     assert _count("unparseable") - before["unparseable"] == 2
     assert _count("engine_error") - before["engine_error"] == 1
-    assert r.acceptance_rate == pytest.approx(3 / 10)
+    assert _count("wrong_actions") - before["wrong_actions"] == 1
+    assert r.acceptance_rate == pytest.approx(3 / 11)
 
 
 @pytest.mark.slow
