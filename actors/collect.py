@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import multiprocessing as mp
 import time
 from collections import defaultdict
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from infra.schema import Task, Trajectory, decode_as, encode, _from_fields
+
+log = logging.getLogger(__name__)
 
 
 def _collect_one_task(family: str, task_d: dict, policies: list[str], episodes: int, eps: float, max_steps: int,
@@ -66,10 +69,16 @@ def collect(family: str, tasks: list[Task], policies: list[str], episodes: int, 
         futs = {pool.submit(_collect_one_task, family, asdict(t), policies, episodes, eps, max_steps, seed): i
                 for i, t in enumerate(tasks)}
         for fut in as_completed(futs):
-            results[futs[fut]] = [decode_as(b, Trajectory) for b in fut.result()]
+            i = futs[fut]
+            try:
+                results[i] = [decode_as(b, Trajectory) for b in fut.result()]
+            except Exception as exc:  # one task's env failing to start must not lose the others' data
+                log.error("collection on task %s failed: %s: %s", tasks[i].task_id, type(exc).__name__, str(exc)[:300])
+                results[i] = []
             if progress is not None:
-                progress(len(results[futs[fut]]))
-    return [t for i in sorted(results) for t in results[i]]
+                progress(len(results[i]) or len(policies) * episodes)
+    # An episode whose env crashed before its first step has nothing to learn from.
+    return [t for i in sorted(results) for t in results[i] if t.steps]
 
 
 async def _teacher_rationales(trajs: list[Trajectory], endpoint: str, model: str, concurrency: int = 4,
@@ -162,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
                                                     timeout_s=cfg.engines.request_timeout_s))
         console.print(f"teacher wrote {n} rationales; {len(errors)} calls failed (kept the env rationale)"
                       + (f", first: {errors[0]}" if errors else ""))
+    if len(trajs) < total:
+        console.print(f"[yellow]{total - len(trajs)} episodes produced no steps (environment errors; see the log)[/yellow]")
     out = trajectories_path(data_dir, args.family)
     write_trajectories(out, trajs)
     table = Table(title=f"dreamgym collect: {args.family} ({time.perf_counter() - t0:.1f} s)")
