@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = argparse.ArgumentParser(prog=f"dreamgym {top.command}", description=(module.__doc__ or help_text).strip(),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(sub)
-    args = sub.parse_args(rest)
+    args = sub.parse_intermixed_args(rest)  # overrides may come before or after --options
     setup_logging(top.verbose)
     from infra.config import ConfigError
 
