@@ -114,6 +114,7 @@ class Learner:
         self.updates = 0
         self.last_entry_id = ""
         self.extra: dict[str, Any] = {}  # saved with checkpoints (curriculum state etc.)
+        self._state_hooks: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._groups: "OrderedDict[str, list[_Held]]" = OrderedDict()
         self._group_seen_at: dict[str, float] = {}
         self._held_ids: dict[str, bytes] = {}
@@ -409,7 +410,14 @@ class Learner:
                            steps=total_tokens, groups=len(units), mean_staleness=sum(lags) / len(lags), seconds=0.0)
 
     # ---- checkpoints --------------------------------------------------------------
+    def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Checkpoint another component's state with the learner's (the curriculum's pool, say):
+        `get()` is called at every save (msgpack-able or torch-saveable data), `set_(value)` on resume."""
+        self._state_hooks[name] = (get, set_)
+
     def save(self) -> Path:
+        for name, (get, _) in self._state_hooks.items():
+            self.extra[name] = get()
         state = ckpt.TrainState(self.version, self.updates, self.last_entry_id,
                                 list(self._seen.keys())[-SEEN_IDS_KEPT:], dict(self.extra))
         path = ckpt.save(self.run_dir, self.policy, self.optimizer, state, keep=self.cfg.keep_checkpoints)
@@ -425,6 +433,9 @@ class Learner:
         self.version, self.updates, self.last_entry_id = state.weight_version, state.updates, state.last_entry_id
         self._seen = OrderedDict((t, None) for t in state.consumed_ids)
         self.extra = state.extra
+        for name, (_, set_) in self._state_hooks.items():
+            if name in self.extra:
+                set_(self.extra[name])
         log.info("resumed from %s at version %d", path, self.version)
         return True
 

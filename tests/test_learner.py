@@ -86,6 +86,8 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     # Publishing to a real engine is covered in test_policy.py; here the weights go to disk only.
     learner = Learner(cfg(publish_every=2), "smollm2", tmp_path, consumer, WeightPublisher(tmp_path),
                       group_size=2, policy=lora_policy, read_block_ms=50)
+    curriculum_state = {"pool": ["t1"], "round": 0}
+    learner.register_state("curriculum", lambda: dict(curriculum_state), lambda v: None)
     before = {n: p.detach().clone() for n, p in lora_policy.named_parameters() if p.requires_grad}
 
     a = [make_traj(tok, model, "A", 1.0), make_traj(tok, model, "A", 0.0)]
@@ -125,7 +127,10 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     fresh = PolicyModel(lora_rank=4, model=copy.deepcopy(model), tokenizer=tok)
     learner2 = Learner(cfg(max_staleness=5), "smollm2", tmp_path, consumer2, None, group_size=2, policy=fresh,
                        read_block_ms=50)
+    restored = {}
+    learner2.register_state("curriculum", dict, restored.update)
     assert learner2.resume()
+    assert restored == {"pool": ["t1"], "round": 0}
     assert learner2.version == 2 and learner2.updates == 2
     trained = {n: p for n, p in lora_policy.named_parameters() if p.requires_grad}
     for n, p in fresh.named_parameters():
