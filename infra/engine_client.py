@@ -10,7 +10,9 @@ choice of server:
 - otherwise the server with the fewest requests in flight from this client;
 - a server that fails a request (connection error, timeout, 5xx) is marked dead and
   skipped until a background probe of its `/health` passes (every
-  `health_interval_s`); the failed request moves to another server (failover).
+  `health_interval_s`); the failed request moves to another server (failover);
+- a server that comes back is given the latest weights (if it missed an update)
+  before it is used again, so a restart never serves an old policy.
 A 4xx answer is the caller's fault and is raised at once as `EngineRequestError`.
 
 Prompts are plain text or token ids; callers apply chat templates themselves.
@@ -108,6 +110,7 @@ class EngineClient:
         self.backoff_s = backoff_s
         self._session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
+        self._latest_weights: tuple[str, int] | None = None  # (path, version) of the last update
 
     @classmethod
     def from_config(cls, cfg, endpoints: list[str], role: str) -> "EngineClient":
@@ -164,7 +167,7 @@ class EngineClient:
         while any(not s.healthy for s in self.servers):
             await asyncio.sleep(self.health_interval_s)
             for s in [s for s in self.servers if not s.healthy]:
-                if await self._health_one(s):
+                if await self._health_one(s) and await self._catch_up(s):
                     log.info("engine %s healthy again", s.url)
                     s.healthy = True
 
@@ -251,16 +254,45 @@ class EngineClient:
         raise EngineError(f"no server answered /get_model_info: {last!r}")
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        """Load `model_path` on every server (SGLang's payload; weight_version sent as a string as SGLang expects)."""
-        payload = {"model_path": str(model_path), "load_format": "auto", "weight_version": str(weight_version)}
+        """Load `model_path` on every live server (SGLang's payload; its weight_version is a string).
 
-        async def one(s: _Server) -> None:
+        A server that cannot be reached is marked dead rather than failing the learner,
+        and gets these weights before it is used again (see `_probe_dead`). Raises
+        EngineError if no server took the update, or if a live server refused it.
+        """
+        self._latest_weights = (str(model_path), int(weight_version))
+        results = await asyncio.gather(*(self._push_weights(s) for s in self.servers), return_exceptions=True)
+        refused = [r for r in results if isinstance(r, EngineRequestError)]
+        if refused or all(isinstance(r, Exception) for r in results):
+            raise EngineError(f"weight update to {model_path} (version {weight_version}) failed: "
+                              f"{[str(r) for r in results if isinstance(r, Exception)]}")
+
+    async def _push_weights(self, s: _Server) -> None:
+        path, version = self._latest_weights
+        payload = {"model_path": path, "load_format": "auto", "weight_version": str(version)}
+        try:
             async with self._sess().post(s.url + "/update_weights_from_disk", json=payload) as r:
                 body = await r.json(content_type=None)
-                if r.status != 200 or not body.get("success", False):
-                    raise EngineError(f"{s.url}: weight update to {model_path} failed: {body.get('message', body)}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._mark_dead(s, f"weight update: {exc!r}")
+            raise EngineError(f"{s.url}: unreachable for the weight update") from exc
+        if r.status != 200 or not body.get("success", False):
+            raise EngineRequestError(r.status, f"{s.url}: weight update to {path} refused: {body.get('message', body)}")
 
-        await asyncio.gather(*(one(s) for s in self.servers))
+    async def _catch_up(self, s: _Server) -> bool:
+        """A server back from the dead gets the latest weights before it serves again."""
+        if self._latest_weights is None:
+            return True
+        try:
+            async with self._sess().get(s.url + "/get_model_info") as r:
+                served = _version((await r.json(content_type=None)).get("weight_version"))
+            if served != self._latest_weights[1]:
+                log.info("engine %s serves weight version %d; pushing %d", s.url, served, self._latest_weights[1])
+                await self._push_weights(s)
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, EngineError, ValueError) as exc:
+            log.warning("engine %s is back but did not take the latest weights: %r", s.url, exc)
+            return False
 
 
 def _message(text: str) -> str:

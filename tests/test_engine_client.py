@@ -55,16 +55,22 @@ async def test_affinity_balancing_failover_and_recovery(smollm2):
             await client.generate("Hi", sampling_params=SP, affinity_key=key)
         assert b.batcher.requests_total == before_b + 3
         assert (await client.health()) == {a.url: False, b.url: True}
+        # a weight update while A is down reaches B and does not fail the caller
+        from infra.model_loading import resolve
 
-        # A comes back on the same port: the background probe notices and its episodes return to it.
+        await client.update_weights_from_disk(str(resolve("smollm2")), weight_version=3)
+        assert b.batcher.weight_version == 3
+
+        # A comes back on the same port (still at version 0): the background probe gives it
+        # the latest weights, then A's episodes return to it.
         a2 = await start_embedded_engine(loaded=smollm2, port=port_a, max_batch_size=8)
         engines[a.url] = a2
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120
         while not client.servers[0].healthy and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert client.servers[0].healthy
-        await client.generate("Hi", sampling_params=SP, affinity_key=key)
-        assert a2.batcher.requests_total == 1
+        assert client.servers[0].healthy and a2.batcher.weight_version == 3
+        res = await client.generate("Hi", sampling_params=SP, affinity_key=key)
+        assert a2.batcher.requests_total == 1 and res.weight_version == 3
         await a2.stop()
     finally:
         await client.close()
