@@ -276,9 +276,10 @@ class TaskVariantGenerator:
             except StateFormatError as exc:
                 return f"parent's initial state is not an abstract state: {exc}"
             scene = content_words(state.replace(task.instruction, "")) | content_words(" ".join(t for _, t in parsed.items))
-            if not content_words(task.instruction) & scene:
-                return "names nothing present in the start state"
             verbs = action_verbs(parsed)
+            named = content_words(task.instruction) - verbs.union(*(_SYNONYMS.get(v, set()) for v in verbs))
+            if not named & scene:  # the action words alone do not make a target
+                return "names nothing present in the start state"
             if verbs and not uses_action_types(task.instruction, verbs):
                 return f"wrong_actions: uses none of the seed's action types ({', '.join(sorted(verbs)[:8])})"
             return replace(task, initial_state=state, meta={**task.meta, "initial_state_from": "parent"})

@@ -90,6 +90,7 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
         (SEED, "Task: Take the red key from the table."),                      # the seed again
         (SEED, "Task: take the blue key from the table please"),                # same as the one just accepted
         (SEED, "Task: fly the spaceship to planet mars"),                      # nothing of it in the kitchen
+        (SEED, "Task: take a boulder from the river"),                         # only the verb is in the kitchen
         (SEED, "Task: admire the red key lying on the table"),                 # no take/open/go action in it
         (BARE, "Task: click the Submit button twice then Cancel"),             # simulator starts it
         (BARE, "Task: drag the slider all the way right"),                     # simulator cannot start it
@@ -108,22 +109,23 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
     assert why["Task: fly the spaceship to planet mars"][0] == "infeasible"
     assert "names nothing present" in why["Task: fly the spaceship to planet mars"][1]
     assert why["Task: admire the red key lying on the table"][0] == "wrong_actions"
+    assert why["Task: take a boulder from the river"][0] == "infeasible"
     assert why["Task: drag the slider all the way right"][0] == "infeasible"
     assert "invalid" in why["Task: drag the slider all the way right"][1]
     assert why["TimeoutError: engine down"][0] == "engine_error"
     assert why["Task: click the Submit button and then the"][0] == "unparseable"  # its only line was cut
-    assert len(r.rejected) == 8
+    assert len(r.rejected) == 9
     kitchen, web, _ = r.accepted
     assert kitchen.parent_id == "tw-1" and kitchen.generated and kitchen.meta["depth"] == 1
     assert kitchen.initial_state.startswith("Goal: take the blue key") and kitchen.meta["initial_state_from"] == "parent"
     assert web.parent_id == "web-1" and validate_state(web.initial_state).items[0] == (1, "button 'Submit'")
     assert _count("accepted") - before["accepted"] == 3
     assert _count("duplicate") - before["duplicate"] == 2
-    assert _count("infeasible") - before["infeasible"] == 2
+    assert _count("infeasible") - before["infeasible"] == 3
     assert _count("unparseable") - before["unparseable"] == 2
     assert _count("engine_error") - before["engine_error"] == 1
     assert _count("wrong_actions") - before["wrong_actions"] == 1
-    assert r.acceptance_rate == pytest.approx(3 / 11)
+    assert r.acceptance_rate == pytest.approx(3 / 12)
 
 
 @pytest.mark.slow
@@ -135,7 +137,8 @@ async def test_variants_generated_end_to_end_with_the_real_smollm2_engine(embedd
     from simulator.curriculum import CurriculumScheduler
 
     _model, tokenizer = smollm2
-    cfg = CurriculumConfig(seeds_per_round=2, variants_per_seed=4, generate_every=1, batch_size=2)
+    cfg = CurriculumConfig(seeds_per_round=2, variants_per_seed=3, generate_every=1, batch_size=2,
+                           variant_max_new_tokens=48)  # kept small: ~1 min on 2 idle cores
     handle = await engine_server.start_embedded_engine("smollm2", max_batch_size=16, loaded=smollm2)
     try:
         async with engine_client.EngineClient([handle.url], role="mexp") as client:
@@ -150,7 +153,7 @@ async def test_variants_generated_end_to_end_with_the_real_smollm2_engine(embedd
             print(f"\nMtask acceptance {len(r.accepted)}/{len(r.accepted) + len(r.rejected)}; "
                   f"rejected: {[(x.reason, x.detail, x.raw[:60]) for x in r.rejected]}\n"
                   f"accepted: {[t.instruction for t in r.accepted]}")
-            assert len(r.accepted) + len(r.rejected) == 8  # every request came back and was judged
+            assert len(r.accepted) + len(r.rejected) == 6  # every request came back and was judged
             assert all(x.reason != "engine_error" for x in r.rejected)
             for t in added:  # whatever was accepted is a valid, startable, novel child of a seed
                 assert t.generated and t.parent_id in {"tw-1", "tw-2"}
