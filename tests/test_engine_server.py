@@ -60,6 +60,15 @@ async def test_greedy_batched_equals_unbatched(engine, client, smollm2):
     assert ref[0, ids.shape[1]:].tolist() == alone[0].output_ids[: ref.shape[1] - ids.shape[1]]
 
 
+async def test_sequences_leaving_at_prefill_do_not_disturb_the_batch(client):
+    # One-token policy calls finish at prefill while longer Mexp-style calls keep decoding.
+    sps = [{"max_new_tokens": n, "temperature": 0.0} for n in (1, 8, 1, 6)]
+    alone = [await client.generate(p, sampling_params=sp) for p, sp in zip(PROMPTS, sps)]
+    together = await asyncio.gather(*(client.generate(p, sampling_params=sp) for p, sp in zip(PROMPTS, sps)))
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    assert [len(r.output_ids) for r in together] == [1, 8, 1, 6]
+
+
 async def test_logprobs_match_a_direct_forward_pass(client, smollm2):
     model, tok = smollm2
     labels = [81, 82, 83]  # 'a', 'b', 'c'
