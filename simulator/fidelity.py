@@ -150,12 +150,14 @@ async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held
         with tempfile.TemporaryDirectory(prefix="fidelity-buffer-") as tmp:
             buffer = EdgeBuffer(Path(tmp) / "edge", embedder)
             seed_buffer(buffer, train_trajs)
-            async with EngineClient([engine.url]) as client:
+            # A long timeout: on a shared CPU a batch of long replies can take minutes, and a retry redoes it.
+            async with EngineClient([engine.url], timeout_s=3600.0, max_retries=0) as client:
                 for name in variants:
                     vcfg = replace(cfg, **VARIANTS[name])
                     examples = build_examples(held_trajs, tokenizer, vcfg, buffer)
-                    if max_steps:
-                        examples = examples[:max_steps]
+                    if max_steps:  # an even spread over the held-out steps, the same in every setting
+                        stride = max(1, len(examples) // max_steps)
+                        examples = examples[::stride][:max_steps]
                     mexp = ExperienceModel(client, buffer, vcfg, tokenizer)
                     t0 = time.monotonic()
                     records = await replay(mexp, examples, max_batch_size)
