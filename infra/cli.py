@@ -36,7 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def add_config_arguments(p: argparse.ArgumentParser, default: str | None = None) -> None:
     """The shared `[config] [section.key=value ...]` arguments."""
-    p.add_argument("config", nargs="?", default=default, help="YAML preset in configs/ (default: %(default)s)")
+    # No %(default)s here: parse_intermixed_args suppresses positional defaults and help would crash.
+    p.add_argument("config", nargs="?", default=default,
+                   help=f"YAML preset in configs/ (default: {default or 'built-in defaults'})")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="override any setting, e.g. learner.lr=1e-5 actors.num_workers=4")
 
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (_module, help_text) in COMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+        sub.add_parser(name, help=help_text.replace("%", "%%"), add_help=False)
     return parser
 
 
