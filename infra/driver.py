@@ -109,7 +109,8 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
 
             await pool.scale_to(cfg.actors.num_workers)
             await phases.set_worker_target(client, prefix, cfg.actors.num_workers)
-            watcher = asyncio.create_task(pool.watch(client, prefix, stop))
+            watcher = asyncio.create_task(pool.watch(client, prefix, stop, autoscale=phases.autoscaler(cfg, client, prefix)
+                                                      if cfg.actors.autoscale else None))
             budget = asyncio.get_running_loop().call_later(cfg.infra.train_budget_s, stop.set) \
                 if cfg.infra.train_budget_s > 0 else None
             if cfg.learner.sync:

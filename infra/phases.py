@@ -268,3 +268,22 @@ def summary(cfg: Config, name: str, before: dict | None, after: dict | None, his
         "train_seconds": round(train_s, 1), "total_seconds": round(time.time() - t_start, 1),
         "history": history.rows,
     }
+
+
+def autoscaler(cfg: Config, client: Any, prefix: str):
+    """The `actors.autoscale` rule bound to this job: task-stream backlog and the embedded engines' queue depth."""
+    import math
+
+    from infra import metrics
+    from infra.scale import autoscale_target
+    from infra.streams import tasks_stream
+    from infra.task_sampler import stream_backlog
+
+    slots = max(1, math.ceil(cfg.actors.concurrent_episodes / cfg.actors.group_size))
+
+    async def rule(current: int) -> int:
+        backlog = await stream_backlog(client, tasks_stream(prefix))
+        depth = metrics.ENGINE_QUEUE_DEPTH._value.get()  # this process's engines (0 with remote endpoints)
+        return autoscale_target(current, backlog, depth, slots, cfg.engines.max_batch_size,
+                                lo=1, hi=cfg.actors.autoscale_max_workers)
+    return rule

@@ -132,3 +132,18 @@ def test_scale_command_sets_the_target_the_pool_watches(redis_url):
     assert scale.run(args) == 0
     assert int(sync_redis.Redis.from_url(redis_url).get(desired_key("job"))) == 5
     assert scale.run(p.parse_args(["--workers", "-1", "--redis-url", redis_url])) == 2
+
+
+async def test_autoscaler_reads_the_task_backlog(redis_url):
+    from infra.config import Config
+    from infra.phases import autoscaler
+
+    client = connect(redis_url)
+    cfg = Config()
+    cfg.actors.group_size, cfg.actors.concurrent_episodes, cfg.actors.autoscale_max_workers = 2, 2, 3
+    rule = autoscaler(cfg, client, PREFIX)
+    assert await rule(2) == 2  # no backlog, idle engines: keep
+    await StreamProducer(client, tasks_stream(PREFIX)).add(
+        [encode(Task(task_id=f"a{i}", instruction="climb")) for i in range(5)])
+    assert await rule(2) == 3 and await rule(3) == 3  # backlog 5 > 2 workers x 1 slot; capped at 3
+    await client.aclose()
