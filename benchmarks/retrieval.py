@@ -12,7 +12,8 @@ noise (reported as such; HNSW on near-duplicates is not the real workload either
 For each size: build the Edge store, `optimize()` (HNSW), then for held-out query
 vectors (real texts not in the store) time top-10 queries one at a time (p50, p95)
 for Edge-HNSW, Edge exact and numpy brute force (matrix product + argpartition),
-and recall@10 of Edge-HNSW against the exact numpy top-10. Prints ratios from this
+and recall@10 of Edge-HNSW against the exact numpy top-10 (tie-aware: a hit
+scoring at least the exact 10th-best score counts). Prints ratios from this
 one run; not a test.
 
     python benchmarks/retrieval.py --sizes 10000,100000 --m 16 --ef-construct 100 --ef 64
@@ -84,7 +85,10 @@ def bench(vecs: np.ndarray, queries: np.ndarray, m: int, efc: int, ef: int, k: i
             top = np.argpartition(-scores, k)[:k]
             top = top[np.argsort(-scores[top])]
             lat_np.append(time.perf_counter() - t)
-            recall.append(len(set(ids) & set(int(i) for i in top)) / k)
+            # Tie-aware: real texts repeat states, so many vectors tie; a returned id counts as
+            # correct when its exact score reaches the exact 10th-best score.
+            kth = scores[top[-1]] - 1e-6
+            recall.append(sum(1 for i in ids if scores[i] >= kth) / k)
         buf.close()
         return {"n": len(vecs), "upsert_s": t_upsert, "optimize_s": t_opt,
                 "hnsw_p50_ms": pct(lat_hnsw, 50), "hnsw_p95_ms": pct(lat_hnsw, 95),
