@@ -77,7 +77,7 @@ async def test_scale_up_then_down_mid_run_counts_add_up(redis_url, ray_local):
     n_tasks = 12
     sampler = UniformTaskSampler(client, PREFIX, [Task(task_id=f"s{i}", instruction="climb") for i in range(6)],
                                  batch_size=2, max_backlog=4, limit=n_tasks)
-    pool = WorkerPool(lambda wid: spawn(redis_url, 0.05, wid), drain_timeout_s=30)
+    pool = WorkerPool(lambda wid: spawn(redis_url, 0.2, wid), drain_timeout_s=30)
     stop = asyncio.Event()
     await pool.scale_to(1)
     watcher = asyncio.create_task(pool.watch(client, PREFIX, stop, poll_s=0.2))
@@ -89,7 +89,10 @@ async def test_scale_up_then_down_mid_run_counts_add_up(redis_url, ray_local):
             break
         await asyncio.sleep(0.1)
     assert len(pool) == 3
-    await asyncio.sleep(1.0)
+    for _ in range(300):  # scale down only once the added workers have done work (Ray start-up is slow under load)
+        if sum(1 for st in await pool.statuses() if st["trajectories_pushed"]) >= 2:
+            break
+        await asyncio.sleep(0.1)
     await client.set(desired_key(PREFIX), 1)
     for _ in range(300):
         if len(pool.retired) == 2:

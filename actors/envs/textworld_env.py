@@ -182,10 +182,73 @@ def _inventory(text: str) -> str:
     return t.rstrip(".") or "nothing"
 
 
-def render_state(objective: str, description: str, inventory: str, commands: list[str]) -> str:
+_DIRECTIONS = ("north", "south", "east", "west")
+
+
+def _parse_fact(fact: str) -> tuple[str, list[str]]:
+    m = _FACT.match(fact.strip())
+    if not m:
+        return "", []
+    return m.group(1), [a.split(":")[0].strip() for a in m.group(2).split(",") if a.strip()]
+
+
+def facts_description(facts: list[str]) -> tuple[str, str] | None:
+    """(room line, inventory) built from the world facts, or None when the player's room is unknown.
+
+    The paper's abstract state is the task-relevant part of an observation. TextWorld's
+    prose ("Well how about that, you are in a place we're calling a bedroom...") costs
+    ~100 tokens and carries nothing the facts do not, so the room is rendered from the
+    facts instead: what is here and in which state, what open containers and supporters
+    hold, and the exits. A 135M experience model then predicts a ~60-token state whose
+    change is exactly the facts diff of the step.
+    """
+    parsed = [_parse_fact(f) for f in facts]
+    room = next((a[1] for p, a in parsed if p == "at" and len(a) == 2 and a[0] == "P"), None)
+    if room is None:
+        return None
+    states: dict[str, list[str]] = {}
+    holds: dict[str, list[tuple[str, str]]] = {}
+    inventory = []
+    for p, a in parsed:
+        if p in ("open", "closed", "locked") and len(a) == 1:
+            states.setdefault(a[0], []).append(p)
+        elif p in ("in", "on") and len(a) == 2:
+            if a[1] == "I":
+                inventory.append(a[0])
+            else:
+                holds.setdefault(a[1], []).append((p, a[0]))
+    here = [a[0] for p, a in parsed if p == "at" and len(a) == 2 and a[1] == room and a[0] != "P"]
+
+    def describe(obj: str) -> str:
+        bits = list(states.get(obj, []))
+        visible = "closed" not in bits and "locked" not in bits
+        inside = [f"{rel} it: {x}" for rel, x in holds.get(obj, []) if rel == "on" or visible]
+        label = ", ".join(bits + inside)
+        return f"{obj} ({label})" if label else obj
+
+    exits = []
+    doors = {(a[0], a[2]): a[1] for p, a in parsed if p == "link" and len(a) == 3}
+    for p, a in parsed:
+        if p.endswith("_of") and p[:-3] in _DIRECTIONS and len(a) == 2 and a[1] == room:
+            door = doors.get((room, a[0]))
+            door_text = f" through {describe(door)}" if door else ""
+            exits.append(f"{p[:-3]} to {a[0]}{door_text}")
+    lines = [f"Room: {room}", "You see: " + (", ".join(describe(o) for o in sorted(here)) or "nothing")]
+    if exits:
+        lines.append("Exits: " + "; ".join(sorted(exits)))
+    return "\n".join(lines), ", ".join(sorted(inventory)) or "nothing"
+
+
+def render_state(objective: str, description: str, inventory: str, commands: list[str],
+                 facts: list[str] | None = None) -> str:
     """The abstract state of a TextWorld game: goal, room, inventory, numbered commands."""
     shown = [c for c in commands if not _HIDDEN.match(c)] or list(commands)
-    desc = f"Goal: {' '.join(objective.split())}\nRoom: {_room(description)}\nInventory: {_inventory(inventory)}"
+    compact = facts_description(facts) if facts else None
+    if compact is not None:
+        room, inv = compact
+        desc = f"Goal: {' '.join(objective.split())}\n{room}\nInventory: {inv}"
+    else:
+        desc = f"Goal: {' '.join(objective.split())}\nRoom: {_room(description)}\nInventory: {_inventory(inventory)}"
     return AbstractState(desc, [(i + 1, c) for i, c in enumerate(shown)]).render()
 
 
@@ -220,7 +283,8 @@ class TextWorldEnv:
     def _observe(self) -> str:
         gs = self._gs
         self._shown = [c for c in gs.admissible_commands if not _HIDDEN.match(c)] or list(gs.admissible_commands)
-        self.state = render_state(self.objective, gs.description or "", gs.inventory or "", list(gs.admissible_commands))
+        self.state = render_state(self.objective, gs.description or "", gs.inventory or "", list(gs.admissible_commands),
+                                  [str(f) for f in (gs.facts or [])])
         return self.state
 
     def _info(self, valid: bool, won: bool = False, **extra: Any) -> dict[str, Any]:
