@@ -84,11 +84,8 @@ def mexp_checkpoint(cfg: Config, offline: list, console: Any = None) -> str:
     """The Mexp weights: `simulator.checkpoint`, else the cached SFT checkpoint, else a short SFT now."""
     if cfg.simulator.checkpoint:
         return cfg.simulator.checkpoint
-    try:
-        from learner import mexp_sft
-    except ImportError:
-        _say(console, "[yellow]learner.mexp_sft is not available: Mexp is the base model[/]")
-        return cfg.engines.model
+    from learner import mexp_sft
+
     cache = Path(cfg.infra.data_dir) / "mexp" / cfg.actors.env_family
     if (cache / "config.json").exists():
         _say(console, f"reusing the Mexp checkpoint {cache}")
@@ -151,11 +148,8 @@ def policy_start(cfg: Config, offline: list, run_dir: Path, console: Any = None)
     """The weights RL starts from: the base model, or a supervised warm start on expert steps when configured."""
     if cfg.learner.warm_start_steps <= 0:
         return cfg.engines.model
-    try:
-        from learner import policy_sft
-    except ImportError:
-        _say(console, "[yellow]learner.policy_sft is not available: no warm start[/]")
-        return cfg.engines.model
+    from learner import policy_sft
+
     cache = Path(cfg.infra.data_dir) / "policy-warm" / cfg.actors.env_family
     if (cache / "config.json").exists():
         _say(console, f"reusing the warm-started policy {cache}")
