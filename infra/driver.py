@@ -97,6 +97,10 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
 
         pool, stop, history = WorkerPool(spawn), asyncio.Event(), RunHistory()
         source = phases.task_source(cfg, client, prefix, splits.train, engines.mexp, tok, getattr(buffer, "embedder", None))
+        # The curriculum's pool, statistics and RNG are saved with every learner checkpoint.
+        learner.register_state("curriculum", source.state_dict, lambda _state: None)
+        if resume and "curriculum" in learner.extra:
+            await source.load_state_dict(learner.extra["curriculum"])
         t_train = time.time()
         with phases.progress(console, "GRPO in DreamGym" if cfg.learner.algo == "grpo" else "PPO in DreamGym",
                              cfg.learner.total_updates, learner.updates) as advance:

@@ -175,14 +175,9 @@ def env_factory(cfg: Config, mexp_client: Any, buffer: Any, tokenizer: Any):
 
 def task_source(cfg: Config, client: Any, prefix: str, seeds: list, mtask_client: Any, tokenizer: Any,
                 embedder: Any = None) -> Any:
-    """The curriculum scheduler (variants from Mtask when enabled), or the uniform sampler as a fallback."""
-    try:
-        from simulator.curriculum import CurriculumScheduler
-    except ImportError:
-        from infra.task_sampler import UniformTaskSampler
+    """The curriculum scheduler: variants from Mtask when enabled, uniform sampling when `curriculum.enabled` is off."""
+    from simulator.curriculum import CurriculumScheduler
 
-        return UniformTaskSampler(client, prefix, seeds, cfg.curriculum.batch_size, cfg.infra.seed,
-                                  max_backlog=cfg.curriculum.max_backlog)
     variants = None
     if cfg.curriculum.enabled and cfg.curriculum.variants_per_seed > 0:
         from simulator.embedder import Embedder
