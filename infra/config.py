@@ -87,6 +87,10 @@ class EngineConfig:
     max_retries: int = _f(3, "Client: retries of a failed request (with exponential backoff) before giving up.", NON_NEGATIVE)
     health_interval_s: float = _f(5.0, "Client: seconds between health probes of a server marked dead.", POSITIVE)
     dtype: str = _f("float32", "Embedded engine torch dtype.", _one_of("float32", "bfloat16", "float16"))
+    device: str = _f("cpu", "Embedded engine torch device: 'cpu', 'cuda' or 'cuda:N'.",
+                     (lambda v: isinstance(v, str) and (v == "cpu" or v == "cuda" or
+                                                        (v.startswith("cuda:") and v[5:].isdigit())),
+                      "'cpu', 'cuda' or 'cuda:N'"))
     sglang_tp_size: int = _f(1, "SGLang launcher: tensor-parallel size.", POSITIVE)
     sglang_mem_fraction: float = _f(0.85, "SGLang launcher: --mem-fraction-static.", UNIT)
     sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", POSITIVE)

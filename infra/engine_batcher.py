@@ -23,6 +23,9 @@ Departures from SGLang (whose API the server speaks):
   resumes. Every token of a response therefore comes from one weight version, the
   one reported (SGLang likewise holds new requests while it updates weights).
 - No prefix cache, no paged attention, no input-token log-probs.
+
+Every tensor the loop creates (ids, masks, positions, the cache, per-request seeded
+generators) lives on the model's device, so the same code serves on CPU or CUDA.
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ class Batcher:
     def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0,
                  max_prefill_tokens: int = 4096):
         self.model = model
+        self.device = _model_device(model)
         # Prompts prefilled together are padded to the longest; bound the padded block so a
         # burst of long Mexp prompts does not allocate attention for all of them at once.
         self.max_prefill_tokens = max_prefill_tokens
@@ -214,7 +218,7 @@ class Batcher:
         if req.token_ids_logprob and any(t < 0 or t >= vocab for t in req.token_ids_logprob):
             raise RequestError(f"token_ids_logprob must be integers in [0, {vocab})")
         if req.params.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.params.seed)
+            req.generator = torch.Generator(device=self.device).manual_seed(req.params.seed)
         with self._cv:
             if self._stopping:
                 raise EngineStopped("engine stopped")
@@ -258,6 +262,7 @@ class Batcher:
                 elif not self._running:
                     model, version, fut = self._swap
                     self.model, self.weight_version, self._swap = model, version, None
+                    self.device = _model_device(model)
                     fut.set_result(version)
                     log.info("engine now serves weight version %d", version)
                     continue
@@ -291,18 +296,19 @@ class Batcher:
         for i, r in enumerate(reqs):
             ids[i, n - len(r.input_ids):] = torch.tensor(r.input_ids)
             mask[i, n - len(r.input_ids):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)  # built on the host, one copy each
         cache = DynamicCache()
         logits = self._forward(ids, mask, cache)
         ENGINE_BATCH_SIZE.observe(len(reqs))
         keep = self._sample_and_advance(reqs, logits)
         if not keep:
             return
-        sel = torch.tensor(keep)
+        sel = torch.tensor(keep, device=self.device)
         if len(keep) < len(reqs):
             cache.batch_select_indices(sel)
         new = [reqs[i] for i in keep]
         new_mask = mask[sel]
-        new_next = torch.tensor([r.output_ids[-1] for r in new])
+        new_next = torch.tensor([r.output_ids[-1] for r in new], device=self.device)
         if not self._running:
             self._running, self._cache, self._mask, self._next = new, cache, new_mask, new_next
         else:
@@ -312,13 +318,13 @@ class Batcher:
         self._trim()
 
     def _decode_step(self) -> None:
-        self._mask = torch.cat([self._mask, torch.ones((len(self._running), 1), dtype=torch.long)], dim=1)
+        self._mask = torch.cat([self._mask, torch.ones((len(self._running), 1), dtype=torch.long, device=self.device)], dim=1)
         logits = self._forward(self._next[:, None], self._mask, self._cache)
         self.steps += 1
         self.max_batch_seen = max(self.max_batch_seen, len(self._running))
         ENGINE_BATCH_SIZE.observe(len(self._running))
         keep = self._sample_and_advance(self._running, logits)
-        self._next = torch.tensor([r.output_ids[-1] for r in self._running])
+        self._next = torch.tensor([r.output_ids[-1] for r in self._running], device=self.device)
         self._select(keep)
 
     def _drop_cancelled(self) -> None:
@@ -340,7 +346,7 @@ class Batcher:
         if not keep:
             self._running, self._cache, self._mask, self._next = [], None, None, None
             return
-        sel = torch.tensor(keep)
+        sel = torch.tensor(keep, device=self.device)
         self._cache.batch_select_indices(sel)
         self._running = [self._running[i] for i in keep]
         self._mask = self._mask[sel]
@@ -362,7 +368,7 @@ class Batcher:
         logprobs = torch.log_softmax(logits, dim=-1)
         toks = sample_tokens(logits, [r.params.temperature for r in reqs], [r.params.top_p for r in reqs],
                              [r.params.top_k for r in reqs], [r.generator for r in reqs])
-        chosen = logprobs.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
+        chosen = logprobs.gather(1, torch.tensor(toks, device=logprobs.device)[:, None])[:, 0].tolist()
         keep = []
         for i, (req, tok) in enumerate(zip(reqs, toks)):
             req.output_ids.append(tok)
@@ -403,6 +409,13 @@ class Batcher:
                         weight_version=self.weight_version)
         if not req.future.done():
             req.future.set_result(out)
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -6,7 +6,8 @@ temperature, top-k keeps the k largest, top-p keeps the smallest set of most lik
 tokens whose mass reaches p (the most likely token always stays), and the token is
 drawn from the renormalised remainder. Each request may carry its own
 `torch.Generator` (its seed), so a seeded request draws the same tokens whatever it
-is batched with.
+is batched with. A generator must live on the logits' device (the batcher creates
+it on the model's).
 
 Speed: a full sort of a 49k vocabulary per row per step was a third of a decode
 step at batch 16 on this CPU. The nucleus almost always lies within the few hundred
@@ -50,7 +51,8 @@ def sample_tokens(logits: torch.Tensor, temperatures: list[float], top_ps: list[
     rest = [i for i in range(rows) if i not in set(greedy)]
     if not rest:
         return out
-    scaled = logits[rest] / torch.tensor([temperatures[i] for i in rest], dtype=logits.dtype)[:, None]
+    scaled = logits[rest] / torch.tensor([temperatures[i] for i in rest], dtype=logits.dtype,
+                                          device=logits.device)[:, None]
     for j, i in enumerate(rest):
         k = top_ks[i]
         if 0 < k < scaled.shape[-1]:

@@ -1,4 +1,4 @@
-"""The embedded engine: SGLang's native HTTP API (and the OpenAI one) served on CPU.
+"""The embedded engine: SGLang's native HTTP API (and the OpenAI one) served on CPU or CUDA.
 
 Owns the HTTP face of `infra.engine_batcher.Batcher`: request validation, the JSON
 shapes of SGLang's `/generate`, `/health`, `/health_generate`, `/get_model_info`,
@@ -47,8 +47,10 @@ async def _json_body(request: web.Request) -> Any:
 class EngineApp:
     """Routes over one Batcher. `model_name` is what /get_model_info reports."""
 
-    def __init__(self, batcher: Batcher, model_name: str, dtype: str = "float32", default_max_new_tokens: int = 128):
+    def __init__(self, batcher: Batcher, model_name: str, dtype: str = "float32", default_max_new_tokens: int = 128,
+                 device: str = "cpu"):
         self.batcher = batcher
+        self.device = device
         self.tokenizer = batcher.tokenizer
         self.model_name = model_name
         self.dtype = dtype
@@ -164,7 +166,7 @@ class EngineApp:
                 raise RequestError(f"'weight_version' must be an integer, got {version!r}") from None
         async with self._update_lock:
             try:
-                model = await asyncio.to_thread(_load_weights, body["model_path"], self.dtype)
+                model = await asyncio.to_thread(_load_weights, body["model_path"], self.dtype, self.device)
             except (FileNotFoundError, OSError, ValueError) as exc:
                 return web.json_response({"success": False, "message": f"cannot load {body['model_path']}: {exc}"},
                                          status=400)
@@ -220,14 +222,14 @@ class EngineApp:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _load_weights(path: str, dtype: str):
+def _load_weights(path: str, dtype: str, device: str = "cpu"):
     """Only the model: a learner checkpoint need not carry tokenizer files (the tokenizer never changes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from infra.model_loading import resolve
 
-    model = AutoModelForCausalLM.from_pretrained(resolve(path), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(resolve(path), dtype=getattr(torch, dtype)).to(device)
     return model.eval()
 
 
@@ -261,9 +263,12 @@ class EngineHandle:
         await self.runner.cleanup()
 
 
-def _limit_threads() -> None:
+def _limit_threads(device: str = "cpu") -> None:
+    """CPU only: a CUDA engine's host threads only launch kernels, and its process may share no cores."""
     import torch
 
+    if not str(device).startswith("cpu"):
+        return
     # Several engines and workers share the machine's cores; never oversubscribe them.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.get_num_threads() > cores:
@@ -272,18 +277,24 @@ def _limit_threads() -> None:
 
 async def start_embedded_engine(model: str = "smollm2", host: str = "127.0.0.1", port: int = 0,
                                 max_batch_size: int = 16, dtype: str = "float32", *, loaded: tuple | None = None,
-                                weight_version: int = 0, default_max_new_tokens: int = 128) -> EngineHandle:
+                                weight_version: int = 0, default_max_new_tokens: int = 128,
+                                device: str = "cpu") -> EngineHandle:
     """Serve `model` on the running event loop; the decode loop runs in a worker thread.
 
-    `loaded=(model, tokenizer)` reuses an already loaded model (tests share one).
+    `loaded=(model, tokenizer)` reuses an already loaded model (tests share one); the
+    engine then runs on that model's device whatever `device` says.
+    `device` is a torch device ('cpu', 'cuda', 'cuda:1'): the model is loaded there and
+    every tensor the batcher makes lives there.
     """
+    from infra.engine_batcher import _model_device
     from infra.model_loading import load_model
 
-    _limit_threads()
-    m, tok = loaded if loaded is not None else await asyncio.to_thread(load_model, model, dtype)
+    m, tok = loaded if loaded is not None else await asyncio.to_thread(load_model, model, dtype, device)
+    device = str(_model_device(m))
+    _limit_threads(device)
     batcher = Batcher(m, tok, max_batch_size=max_batch_size, weight_version=weight_version)
     batcher.start()
-    engine = EngineApp(batcher, model, dtype, default_max_new_tokens)
+    engine = EngineApp(batcher, model, dtype, default_max_new_tokens, device)
     runner = web.AppRunner(engine.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -351,6 +362,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     p.add_argument("--port", type=int, default=30000, help="port (0: a free one; default: %(default)s)")
     p.add_argument("--model", default=None, help="model to serve (default: engines.model from the config)")
+    p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: engines.device)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -358,11 +370,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args).engines
     model = args.model or cfg.model
+    device = args.device or cfg.device
 
     async def main() -> None:
         handle = await start_embedded_engine(model, args.host, args.port, cfg.max_batch_size, cfg.dtype,
-                                             default_max_new_tokens=cfg.max_new_tokens)
-        print(f"dreamgym serve: {model} at {handle.url} (max batch {cfg.max_batch_size}, {cfg.dtype})", flush=True)
+                                             default_max_new_tokens=cfg.max_new_tokens, device=device)
+        print(f"dreamgym serve: {model} at {handle.url} (max batch {cfg.max_batch_size}, {cfg.dtype}, {device})",
+              flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         import signal

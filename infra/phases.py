@@ -111,7 +111,8 @@ async def start_engines(cfg: Config, mexp_model: str, policy_model: str) -> Engi
     async def endpoints(configured: list, model: str) -> list[str]:
         if configured:
             return list(configured)
-        h = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype)
+        h = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                                        device=e.device)
         handles.append(h)
         return [h.url]
 

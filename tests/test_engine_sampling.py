@@ -67,3 +67,23 @@ def test_sampled_frequencies_match_the_temperature_distribution():
     nuc = reference_nucleus(expected, 0.8)
     draws = {sample_tokens(logits, [0.5], [0.8], [-1], [gen])[0] for _ in range(200)}
     assert draws == set(nuc) == {0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sample_tokens_on_cuda_with_device_generators():
+    """Logits and per-request generators on the GPU: seeded draws repeat, greedy matches argmax."""
+    logits = torch.randn(4, 1000, device="cuda")
+    gens = [None, torch.Generator(device="cuda").manual_seed(7), torch.Generator(device="cuda").manual_seed(7), None]
+    a = sample_tokens(logits, [0.0, 0.8, 0.8, 1.0], [1.0, 0.9, 0.9, 1.0], [-1, 50, 50, -1], gens)
+    gens = [None, torch.Generator(device="cuda").manual_seed(7), None, None]
+    b = sample_tokens(logits, [0.0, 0.8, 0.0, 1.0], [1.0, 0.9, 1.0, 1.0], [-1, 50, -1, -1], gens)
+    assert a[0] == b[0] == int(logits[0].argmax()) and a[1] == b[1] == a[2]
+
+
+def test_engine_device_option_is_validated():
+    from infra.config import load_config
+
+    assert load_config().engines.device == "cpu"
+    assert load_config(overrides=["engines.device=cuda:1"]).engines.device == "cuda:1"
+    with pytest.raises(Exception, match="engines.device"):
+        load_config(overrides=["engines.device=gpu"])

@@ -59,7 +59,8 @@ class EmbeddedEngineActor:
 
         if self.handle is None:
             self.handle = await start_embedded_engine(self.model, self.host, 0, self.cfg.max_batch_size, self.cfg.dtype,
-                                                      default_max_new_tokens=self.cfg.max_new_tokens)
+                                                      default_max_new_tokens=self.cfg.max_new_tokens,
+                                                      device=self.cfg.device)
         return await self.url()
 
     async def url(self) -> str:
