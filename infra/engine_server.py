@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from infra.engine_batcher import Batcher, EngineStopped, GenOutput, GenRequest, RequestError, SamplingParams
+from infra.processes import stop_process
 
 log = logging.getLogger(__name__)
 
@@ -311,13 +312,7 @@ class EngineProcess:
         self.proc, self.url = proc, url
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
 
     def __enter__(self) -> "EngineProcess":
         return self

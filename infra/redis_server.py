@@ -19,6 +19,8 @@ from pathlib import Path
 
 import redis
 
+from infra.processes import stop_process
+
 log = logging.getLogger(__name__)
 
 
@@ -78,13 +80,7 @@ class EmbeddedRedis:
 
     def stop(self, cleanup: bool = True) -> None:
         """Graceful shutdown (flushes the AOF), then kill if it lingers."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 5)
         self.proc = None
         if cleanup and self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)

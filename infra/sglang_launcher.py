@@ -26,6 +26,8 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
+from infra.processes import stop_process
+
 log = logging.getLogger(__name__)
 
 
@@ -131,13 +133,7 @@ class ProcessSupervisor:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._lock:
-            if self.alive():
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+            stop_process(self.proc, timeout)
 
 
 class SGLangLauncher:
