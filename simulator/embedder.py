@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sqlite3
 import threading
 from pathlib import Path
@@ -23,9 +24,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DIM = 384
 
 
+_REF = re.compile(r"\[(\d+)\]")
+
+
 def transition_text(state: str, action: str) -> str:
-    """The text a transition is embedded (and queried) by."""
-    return f"{state.strip()}\nAction: {action.strip()}"
+    """The text a transition is embedded (and queried) by: the action, then the state.
+
+    MiniLM reads at most 256 word pieces and truncates the rest; states of larger
+    TextWorld games run to 300-600, so an action placed after the state would be cut
+    off and every action from one state would embed alike. The action therefore comes
+    first, followed by the text of the item it names (`click [3]` means nothing
+    without item 3), and truncation only shortens the state's tail.
+    """
+    action = action.strip()
+    m = _REF.search(action)
+    if m:
+        item = re.search(rf"^\s*\[{m.group(1)}\]\s*(.+)$", state, re.M)
+        if item:
+            action = f"{action} ({item.group(1).strip()})"
+    return f"Action: {action}\n{state.strip()}"
 
 
 def _key(text: str) -> str:

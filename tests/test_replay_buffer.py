@@ -47,6 +47,18 @@ def test_embedder_unit_norm_and_cache(embedder):
     assert np.array_equal(embedder.embed(texts[::-1]), a[::-1])  # second call served by the cache
 
 
+def test_long_states_still_embed_the_action(embedder):
+    """MiniLM truncates at 256 word pieces; a state longer than that must not swallow the action."""
+    things = ", ".join(f"{c} {o}" for c in ("red", "blue", "green", "old", "shiny") for o in OBJECTS)
+    items = "\n".join(f"[{i + 1}] take {o}" for i, o in enumerate(OBJECTS * 3))
+    state = f"Goal: tidy the house\nRoom: Attic\nYou see: {things}\nActions:\n{items}"
+    assert len(embedder._load().tokenizer(state)["input_ids"]) > 300
+    a, b = embedder.embed([transition_text(state, "take apple"), transition_text(state, "go east")])
+    assert float(a @ b) < 0.97
+    # A web action names its item by number; the item's text goes with it.
+    assert "(take key)" in transition_text(state, "click [2]")
+
+
 def test_planted_neighbour_is_retrieved_and_own_episode_excluded(buffer_factory):
     buf = buffer_factory()
     buf.add([_t(i) for i in range(60)])
