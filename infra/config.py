@@ -136,7 +136,8 @@ class SimulatorConfig:
 class ActorsConfig:
     """Rollout workers and the real environments they may run."""
 
-    num_workers: int = _f(2, "Rollout workers (Ray actors) at start; `dreamgym scale` changes it live.", NON_NEGATIVE)
+    num_workers: int = _f(2, "Rollout workers at start; `dreamgym scale` changes it live.", NON_NEGATIVE)
+    runtime: str = _f("local", "Where `dreamgym train` runs rollout workers: 'local' (on the driver's event loop) or 'ray' (Ray actors; joins infra.ray_address, or starts a local Ray).", _one_of("local", "ray"))
     group_size: int = _f(4, "Rollouts per task in one GRPO group (G).", POSITIVE)
     concurrent_episodes: int = _f(4, "Episodes one worker runs at once, so the engines see batches.", POSITIVE)
     env_kind: str = _f("synthetic", "Where rollouts run: 'synthetic' (DreamGym) or 'real' (baseline RL and S2R).", _one_of("synthetic", "real"))

@@ -70,7 +70,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
     url, prefix = cfg.infra.redis_url or redis.url, f"{cfg.infra.stream_prefix}:{name}"
     (Path(cfg.infra.run_dir) / "latest.json").write_text(json.dumps({"redis_url": url if redis else "", "prefix": prefix, "run_dir": str(run_dir)}))
     client = connect(url, cfg.infra.redis_tls_ca)
-    engines = None
+    engines = fleet = None
     try:
         splits, offline = phases.prepare_data(cfg, console)
         buffer = phases.seed_buffer(cfg, offline, run_dir, console)
@@ -94,6 +94,14 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
                 wid, client, prefix, policy, env_factory, cfg.actors,
                 buffer=buffer if cfg.simulator.write_back else None, reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
                 maxlen=cfg.infra.stream_maxlen))
+
+        if cfg.actors.runtime == "ray":  # workers as Ray actors; the buffer moves into the one actor that owns it
+            from infra.cluster.rollout_fleet import RolloutFleet
+
+            buffer.close()
+            fleet = RolloutFleet(cfg, url, prefix, engines.mexp.urls, engines.policy.urls, run_dir / "buffer",
+                                 phases.embedding_cache(cfg))
+            spawn = fleet.spawn  # noqa: F811
 
         pool, stop, history = WorkerPool(spawn), asyncio.Event(), RunHistory()
         source = phases.task_source(cfg, client, prefix, splits.train, engines.mexp, tok, getattr(buffer, "embedder", None))
@@ -138,7 +146,8 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         learner.save()
         after = await phases.evaluate_policy(cfg, engines.policy, tok, splits.heldout, "after", console) if evaluate else None
 
-        summary = phases.summary(cfg, name, before, after, history, learner, pool, buffer, t_start, train_s)
+        buffer_size = fleet.buffer_size() if fleet is not None else len(buffer)
+        summary = phases.summary(cfg, name, before, after, history, learner, pool, buffer_size, t_start, train_s)
         write_summary(run_dir / "summary.json", summary)
         write_plots(history, run_dir / "plots")
         console.print(results_table(before, after, {"updates": learner.updates, "weight version": learner.version,
@@ -148,6 +157,8 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         console.print(f"run directory: {run_dir}")
         return summary
     finally:
+        if fleet is not None:
+            fleet.close()
         if engines is not None:
             await engines.close()
         await client.aclose()

@@ -112,6 +112,11 @@ class EngineClient:
         self._prober: asyncio.Task | None = None
         self._latest_weights: tuple[str, int] | None = None  # (path, version) of the last update
 
+    @property
+    def urls(self) -> list[str]:
+        """The servers' base URLs (what another process needs to build its own client)."""
+        return [s.url for s in self.servers]
+
     @classmethod
     def from_config(cls, cfg, endpoints: list[str], role: str) -> "EngineClient":
         return cls(endpoints, role, cfg.request_timeout_s, cfg.max_retries, cfg.health_interval_s)

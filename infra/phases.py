@@ -243,7 +243,7 @@ class progress:
 
 
 def summary(cfg: Config, name: str, before: dict | None, after: dict | None, history: Any, learner: Any,
-            pool: Any, buffer: Any, t_start: float, train_s: float) -> dict:
+            pool: Any, buffer_size: int, t_start: float, train_s: float) -> dict:
     def brief(r: dict | None) -> dict | None:
         return None if r is None else {k: r[k] for k in ("success_rate", "ci_low", "ci_high", "episodes",
                                                          "mean_steps", "invalid_rate", "seconds")}
@@ -254,7 +254,7 @@ def summary(cfg: Config, name: str, before: dict | None, after: dict | None, his
         "updates": learner.updates, "weight_version": learner.version,
         "trajectories_trained": len(learner.consumed_ids),
         "trajectories_pushed": sum(s.get("trajectories_pushed", 0) for s in pool.retired),
-        "replay_buffer_size": len(buffer) if buffer is not None else 0,
+        "replay_buffer_size": buffer_size,
         "train_seconds": round(train_s, 1), "total_seconds": round(time.time() - t_start, 1),
         "history": history.rows,
     }

@@ -34,21 +34,21 @@ class _RayBufferAdapter:
 class RolloutWorkerActor:
     def __init__(self, worker_id: str, redis_url: str, prefix: str, actors_cfg: dict,
                  make_policy: Callable[[], Any], make_env: Callable[[], Any], buffer: Any = None,
-                 reclaim_idle_ms: int = 30_000):
+                 reclaim_idle_ms: int = 30_000, maxlen: int = 100_000):
         self.args = (worker_id, redis_url, prefix, ActorsConfig(**actors_cfg), make_policy, make_env, buffer,
-                     reclaim_idle_ms)
+                     reclaim_idle_ms, maxlen)
         self.worker: RolloutWorker | None = None
         self._stop_requested: bool | None = None
 
     async def run(self, max_groups: int | None = None) -> dict:
-        worker_id, url, prefix, cfg, make_policy, make_env, buffer, idle_ms = self.args
+        worker_id, url, prefix, cfg, make_policy, make_env, buffer, idle_ms, maxlen = self.args
         policy = make_policy()
         if inspect.isawaitable(policy):
             policy = await policy
         sink = None if buffer is None else (_RayBufferAdapter(buffer) if hasattr(buffer, "add") and
                                             hasattr(buffer.add, "remote") else buffer)
         self.worker = RolloutWorker(worker_id, connect(url), prefix, policy, make_env, cfg, buffer=sink,
-                                    reclaim_idle_ms=idle_ms)
+                                    reclaim_idle_ms=idle_ms, maxlen=maxlen)
         if self._stop_requested is not None:
             return self.worker.status()
         await self.worker.run(max_groups)
@@ -74,12 +74,12 @@ class RayWorkerHandle:
     @classmethod
     def spawn(cls, worker_id: str, redis_url: str, prefix: str, actors_cfg: ActorsConfig,
               make_policy: Callable[[], Any], make_env: Callable[[], Any], options: dict | None = None,
-              buffer: Any = None, reclaim_idle_ms: int = 30_000) -> "RayWorkerHandle":
+              buffer: Any = None, reclaim_idle_ms: int = 30_000, maxlen: int = 100_000) -> "RayWorkerHandle":
         import dataclasses
 
         actor = RolloutWorkerActor.options(name=f"rollout-{worker_id}", **(options or {})).remote(
             worker_id, redis_url, prefix, dataclasses.asdict(actors_cfg), make_policy, make_env, buffer,
-            reclaim_idle_ms)
+            reclaim_idle_ms, maxlen)
         return cls(worker_id, actor, actor.run.remote())
 
     async def stop(self, drain: bool = True) -> dict:
