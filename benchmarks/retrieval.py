@@ -1,22 +1,29 @@
 """Replay-buffer retrieval: Qdrant Edge HNSW vs numpy brute force on real MiniLM embeddings.
 
-Workload: real (state, action) texts from the offline TextWorld data, every state of
-every trajectory (and every next state) paired with each of its admissible
-commands, embedded with all-MiniLM-L6-v2 and cached (`<data_dir>/.cache/
-embeddings.sqlite`; ~65 texts/s here, so the first run of a large set is slow).
-When there are fewer real texts than a size asks for, the set is completed by
-re-embedding nothing: the script says how many vectors are real and stops at the
-largest size it can fill unless `--allow-repeats` tiles the real vectors with small
-noise (reported as such; HNSW on near-duplicates is not the real workload either).
+Workload: real (state, action) pairs from the offline TextWorld data (every state of
+every trajectory, and every next state, paired with each of its admissible
+commands), embedded with all-MiniLM-L6-v2 exactly as the buffer embeds them
+(`transition_text`) and cached in `<data_dir>/.cache/embeddings.sqlite` (~50-65
+texts/s here, so the first run of a large set is slow; later runs read the cache).
+The default data set is too small for 100 k; make one first:
 
-For each size: build the Edge store, `optimize()` (HNSW), then for held-out query
-vectors (real texts not in the store) time top-10 queries one at a time (p50, p95)
-for Edge-HNSW, Edge exact and numpy brute force (matrix product + argpartition),
-and recall@10 of Edge-HNSW against the exact numpy top-10 (tie-aware: a hit
-scoring at least the exact 10th-best score counts). Prints ratios from this
-one run; not a test.
+    dreamgym collect configs/retrieval_bench.yaml      # ~115 k distinct real texts
+    python benchmarks/retrieval.py --data-dir data/retrieval-bench --sizes 10000,100000
 
-    python benchmarks/retrieval.py --sizes 10000,100000 --m 16 --ef-construct 100 --ef 64
+When there are fewer real texts than a size asks for, the size is skipped unless
+`--allow-repeats` tiles the real vectors with small noise (reported as such; HNSW on
+near-duplicates is not the real workload either).
+
+For each size and each HNSW build setting (`--m`, `--ef-construct`, comma lists):
+upsert real payloads, `optimize()`, then for held-out queries (texts not in the
+store), one query at a time, time top-10 for each query-time `--ef` (the sweep
+reuses the index): Edge HNSW ids only, and the serving path (payloads decoded, the
+querying episode filtered out, as `EdgeBuffer.query_vectors` does); Edge exact
+search and numpy brute force (matrix product + argpartition) on the same vectors.
+recall@10 is against the exact numpy top-10, tie-aware (a hit scoring at least the
+exact 10th-best score counts: real states repeat, so scores tie). Prints ratios
+from this one run; not a test. The setting to use is the cheapest with recall@10
+>= 0.95; `simulator.hnsw_*` in the config carry it.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ from simulator.embedder import Embedder, transition_text  # noqa: E402
 from simulator.replay_buffer import EdgeBuffer, Transition  # noqa: E402
 
 
-def real_texts(data_dir: str, family: str, limit: int) -> list[str]:
+def real_pairs(data_dir: str, family: str, limit: int) -> list[tuple[str, str]]:
+    """Distinct real (state, command) pairs, in data order, at most `limit`."""
     from simulator.mexp_data import load_offline
 
-    seen: dict[str, None] = {}
+    seen: dict[str, tuple[str, str]] = {}
     for traj in load_offline(data_dir, family):
         for step in traj.steps:
             for state in (step.state, step.next_state):
@@ -50,93 +58,137 @@ def real_texts(data_dir: str, family: str, limit: int) -> list[str]:
                 except StateFormatError:
                     continue
                 for _, cmd in items:
-                    seen.setdefault(transition_text(state, cmd))
+                    seen.setdefault(transition_text(state, cmd), (state, cmd))
                     if len(seen) >= limit:
-                        return list(seen)
-    return list(seen)
+                        return list(seen.values())
+    return list(seen.values())
 
 
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1000.0, q))
 
 
-def bench(vecs: np.ndarray, queries: np.ndarray, m: int, efc: int, ef: int, k: int = 10) -> dict:
+def timed(fn, queries: np.ndarray) -> tuple[list[float], list]:
+    lat, out = [], []
+    for q in queries:
+        t = time.perf_counter()
+        out.append(fn(q))
+        lat.append(time.perf_counter() - t)
+    return lat, out
+
+
+def recall_at(ids: list[list[int]], kth: list[float], scores: list[np.ndarray], k: int) -> float:
+    """Tie-aware recall@k: a returned id counts when its exact score reaches the exact k-th best."""
+    return float(np.mean([sum(1 for i in got[:k] if s[i] >= t) / k for got, s, t in zip(ids, scores, kth)]))
+
+
+def bench(pairs: list[tuple[str, str]], vecs: np.ndarray, queries: np.ndarray, m: int, efc: int, efs: list[int],
+          k: int = 10) -> list[dict]:
+    def numpy_top(q: np.ndarray) -> np.ndarray:
+        sc = vecs @ q
+        top = np.argpartition(-sc, k)[:k]
+        return top[np.argsort(-sc[top])]
+
+    lat_np, _ = timed(numpy_top, queries)  # the baseline, timed like the store: one query at a time
+    scores = [vecs @ q for q in queries]
+    kth = [float(np.partition(sc, -k)[-k]) - 1e-6 for sc in scores]
     tmp = Path(tempfile.mkdtemp(prefix="bench-edge-"))
     try:
         buf = EdgeBuffer(tmp / "edge", embedder=None, max_size=len(vecs) + 1, hnsw_m=m, hnsw_ef_construct=efc,
-                         hnsw_ef=ef)  # type: ignore[arg-type]
-        dummy = Transition("", "", "", "", "", "", 0.0, False)
+                         hnsw_ef=efs[0])  # type: ignore[arg-type]
+        ts = [Transition(f"task-{i % 300}", "", st, a, "", st, 0.0, False, episode_id=f"ep-{i % 2000}")
+              for i, (st, a) in enumerate(pairs)]
         t0 = time.perf_counter()
-        buf.add_vectors([dummy] * len(vecs), vecs)
+        buf.add_vectors(ts, vecs)
         t_upsert = time.perf_counter() - t0
         t0 = time.perf_counter()
         buf.optimize()
         t_opt = time.perf_counter() - t0
-        lat_hnsw, lat_exact, lat_np, recall = [], [], [], []
-        for q in queries:
-            t = time.perf_counter()
-            ids = buf.query_ids(q[None], k)[0]
-            lat_hnsw.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            buf.query_ids(q[None], k, exact=True)
-            lat_exact.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            scores = vecs @ q
-            top = np.argpartition(-scores, k)[:k]
-            top = top[np.argsort(-scores[top])]
-            lat_np.append(time.perf_counter() - t)
-            # Tie-aware: real texts repeat states, so many vectors tie; a returned id counts as
-            # correct when its exact score reaches the exact 10th-best score.
-            kth = scores[top[-1]] - 1e-6
-            recall.append(sum(1 for i in ids if scores[i] >= kth) / k)
+        lat_exact, _ = timed(lambda q: buf.query_ids(q[None], k, exact=True), queries)
+        rows = []
+        for ef in efs:
+            buf.hnsw_ef = ef
+            lat_hnsw, ids = timed(lambda q: buf.query_ids(q[None], k)[0], queries)
+            lat_serve, _ = timed(lambda q: buf.query_vectors(q[None], k, exclude_episodes=["ep-7"]), queries)
+            t0 = time.perf_counter()
+            buf.query_vectors(queries, k, exclude_episodes=["ep-7"])  # one batched call, as workers send them
+            batch_ms = (time.perf_counter() - t0) * 1000 / len(queries)
+            rows.append({"n": len(vecs), "m": m, "ef_construct": efc, "ef": ef, "upsert_s": t_upsert,
+                         "optimize_s": t_opt, "hnsw_p50_ms": pct(lat_hnsw, 50), "hnsw_p95_ms": pct(lat_hnsw, 95),
+                         "serve_p50_ms": pct(lat_serve, 50), "serve_p95_ms": pct(lat_serve, 95),
+                         "serve_batched_ms_per_query": batch_ms, "edge_exact_p50_ms": pct(lat_exact, 50),
+                         "numpy_p50_ms": pct(lat_np, 50), "numpy_p95_ms": pct(lat_np, 95),
+                         "recall_at_10": recall_at(ids, kth, scores, k)})
         buf.close()
-        return {"n": len(vecs), "upsert_s": t_upsert, "optimize_s": t_opt,
-                "hnsw_p50_ms": pct(lat_hnsw, 50), "hnsw_p95_ms": pct(lat_hnsw, 95),
-                "edge_exact_p50_ms": pct(lat_exact, 50), "numpy_p50_ms": pct(lat_np, 50),
-                "numpy_p95_ms": pct(lat_np, 95), "recall_at_10": float(np.mean(recall))}
+        return rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def embed_all(emb: Embedder, texts: list[str], chunk: int = 2048) -> np.ndarray:
+    """Embed in chunks (each cached as it finishes, so an interrupted run resumes) with progress."""
+    out, t0 = [], time.perf_counter()
+    for i in range(0, len(texts), chunk):
+        out.append(emb.embed(texts[i:i + chunk]))
+        done = min(i + chunk, len(texts))
+        rate = done / max(time.perf_counter() - t0, 1e-9)
+        print(f"\rembedded {done}/{len(texts)} ({rate:.0f}/s incl. cache hits)", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return np.concatenate(out) if out else np.zeros((0, Embedder.dim), np.float32)
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default="data")
+    p.add_argument("--data-dir", default="data", help="data directory holding offline/<family> trajectories")
     p.add_argument("--family", default="textworld")
-    p.add_argument("--sizes", default="10000,100000")
-    p.add_argument("--queries", type=int, default=200)
-    p.add_argument("--m", type=int, default=16)
-    p.add_argument("--ef-construct", type=int, default=100)
-    p.add_argument("--ef", type=int, default=64)
+    p.add_argument("--sizes", default="10000,100000", help="store sizes, comma-separated")
+    p.add_argument("--queries", type=int, default=200, help="held-out query texts (not in any store)")
+    p.add_argument("--m", default="16", help="HNSW m values to build with, comma-separated")
+    p.add_argument("--ef-construct", default="100", help="HNSW ef_construct values, comma-separated")
+    p.add_argument("--ef", default="64", help="query-time hnsw_ef values to sweep on each index, comma-separated")
     p.add_argument("--allow-repeats", action="store_true", help="tile real vectors (+noise) to reach a size")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    texts = real_texts(args.data_dir, args.family, max(sizes) + args.queries)
-    emb = Embedder(cache_path=Path(args.data_dir) / ".cache" / "embeddings.sqlite", batch_size=32)
+    sizes = ints(args.sizes)
+    pairs = real_pairs(args.data_dir, args.family, max(sizes) + args.queries)
+    if len(pairs) <= args.queries:
+        print(f"only {len(pairs)} real (state, action) pairs under {args.data_dir}; run `dreamgym collect` first")
+        return 1
+    emb = Embedder(cache_path=Path(args.data_dir) / ".cache" / "embeddings.sqlite", batch_size=64)
     t0 = time.perf_counter()
-    allv = emb.embed(texts)
-    print(f"{len(texts)} real (state, action) texts embedded/cached in {time.perf_counter() - t0:.1f} s")
+    allv = embed_all(emb, [transition_text(st, a) for st, a in pairs])
+    print(f"{len(pairs)} real (state, action) texts embedded/cached in {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(0)
     perm = rng.permutation(len(allv))
-    queries, pool = allv[perm[:args.queries]], allv[perm[args.queries:]]
+    queries = allv[perm[:args.queries]]
+    pool_idx = perm[args.queries:]
     results = []
     for n in sizes:
-        if n > len(pool):
-            if not args.allow_repeats:
-                print(f"size {n}: only {len(pool)} real vectors; skipped (rerun with more offline data, or --allow-repeats)")
-                continue
-            reps = pool[rng.integers(0, len(pool), n)] + rng.normal(0, 0.02, (n, pool.shape[1])).astype(np.float32)
-            vecs = (reps / np.linalg.norm(reps, axis=1, keepdims=True)).astype(np.float32)
-            real = len(pool)
+        if n <= len(pool_idx):
+            idx, vecs, real = pool_idx[:n], allv[pool_idx[:n]], n
+        elif args.allow_repeats:
+            idx = pool_idx[rng.integers(0, len(pool_idx), n)]
+            noisy = allv[idx] + rng.normal(0, 0.02, (n, allv.shape[1])).astype(np.float32)
+            vecs, real = (noisy / np.linalg.norm(noisy, axis=1, keepdims=True)).astype(np.float32), len(pool_idx)
         else:
-            vecs, real = pool[:n], n
-        r = bench(vecs, queries, args.m, args.ef_construct, args.ef)
-        r.update({"real_vectors": real, "m": args.m, "ef_construct": args.ef_construct, "ef": args.ef})
-        results.append(r)
-        print(f"n={n:>7} (real {real}): Edge HNSW p50 {r['hnsw_p50_ms']:.2f} ms p95 {r['hnsw_p95_ms']:.2f} ms, "
-              f"recall@10 {r['recall_at_10']:.3f} | Edge exact p50 {r['edge_exact_p50_ms']:.2f} ms | numpy p50 "
-              f"{r['numpy_p50_ms']:.2f} ms | speed-up vs numpy {r['numpy_p50_ms'] / r['hnsw_p50_ms']:.1f}x | "
-              f"optimize {r['optimize_s']:.1f} s")
+            print(f"size {n}: only {len(pool_idx)} real vectors; skipped (collect more data, or --allow-repeats)")
+            continue
+        for m in ints(args.m):
+            for efc in ints(args.ef_construct):
+                for r in bench([pairs[i] for i in idx], vecs, queries, m, efc, ints(args.ef)):
+                    r["real_vectors"] = real
+                    results.append(r)
+                    print(f"n={n:>7} (real {real}) m={m} ef_construct={efc} ef={r['ef']}: "
+                          f"HNSW p50 {r['hnsw_p50_ms']:.2f} ms p95 {r['hnsw_p95_ms']:.2f} ms, "
+                          f"recall@10 {r['recall_at_10']:.3f} | serving path p50 {r['serve_p50_ms']:.2f} ms, "
+                          f"batched {r['serve_batched_ms_per_query']:.2f} ms/query | Edge exact p50 "
+                          f"{r['edge_exact_p50_ms']:.2f} ms | numpy p50 {r['numpy_p50_ms']:.2f} ms "
+                          f"({r['numpy_p50_ms'] / r['hnsw_p50_ms']:.1f}x HNSW) | optimize {r['optimize_s']:.1f} s",
+                          flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     emb.close()
