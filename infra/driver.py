@@ -12,8 +12,9 @@ checkpoint) → engines (embedded unless endpoints are configured) → held-out 
 evaluation → GRPO/PPO with N rollout workers (async, or `--sync`: roll out, then train)
 → held-out REAL evaluation → plots, summary.json, table. Redis is embedded unless
 `infra.redis_url` is set; `dreamgym scale --workers N` resizes the worker pool live.
-Rollout workers run on this process's event loop (one machine: the engines are
-here too); `infra/cluster/worker_actor.py` runs the same worker as a Ray actor.
+Rollout workers run on this process's event loop by default (one machine: the
+engines are here too); `actors.runtime=ray` starts them as Ray actors instead
+(infra/cluster/rollout_fleet.py).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
     url, prefix = cfg.infra.redis_url or redis.url, f"{cfg.infra.stream_prefix}:{name}"
     (Path(cfg.infra.run_dir) / "latest.json").write_text(json.dumps({"redis_url": url if redis else "", "prefix": prefix, "run_dir": str(run_dir)}))
     client = connect(url, cfg.infra.redis_tls_ca)
-    engines = fleet = None
+    engines = fleet = buffer = None
     try:
         splits, offline = phases.prepare_data(cfg, console)
         buffer = phases.seed_buffer(cfg, offline, run_dir, console)
@@ -159,6 +160,8 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
     finally:
         if fleet is not None:
             fleet.close()
+        elif buffer is not None:
+            buffer.close()  # releases the store's lock: a resumed run in this process reopens it
         if engines is not None:
             await engines.close()
         await client.aclose()

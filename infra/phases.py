@@ -68,13 +68,17 @@ def prepare_data(cfg: Config, console: Any = None) -> tuple[Any, list]:
 
 
 def seed_buffer(cfg: Config, offline: list, run_dir: Path, console: Any = None) -> Any:
-    """A fresh replay buffer in the run directory, seeded with every real offline transition."""
+    """The run's replay buffer: created and seeded with every real offline transition, or
+    reopened as it was (a resumed run keeps what it wrote back and is not seeded twice)."""
     from simulator.embedder import Embedder
     from simulator.replay_buffer import make_buffer, seed_buffer as seed
 
     t0 = time.perf_counter()
     embedder = Embedder(cache_path=embedding_cache(cfg))
     buffer = make_buffer(cfg.simulator, run_dir / "buffer", embedder)
+    if len(buffer):
+        _say(console, f"replay buffer reopened with {len(buffer)} transitions ({time.perf_counter() - t0:.1f} s)")
+        return buffer
     n = seed(buffer, offline)
     _say(console, f"replay buffer seeded with {n} real transitions ({time.perf_counter() - t0:.1f} s)")
     return buffer

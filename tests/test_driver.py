@@ -1,0 +1,45 @@
+"""`dreamgym train` end to end on real parts, then `--resume` of the same run.
+
+Real TextWorld games (env_kind=real, so no Mexp SFT is needed: the Mexp engine serves
+the base model and is not stepped), the embedded engines serving SmolLM2, a real
+Redis, the real GRPO learner. The first run stops after two updates with a checkpoint
+after each; the resumed run must continue from weight version 2 and make exactly one
+more update to reach the budget of three, in the same streams, with the run's replay
+buffer reopened as it was rather than seeded a second time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infra.config import load_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+
+def _cfg(tmp_path, redis_url, total_updates):
+    return load_config(None, [
+        f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tmp_path / 'data'}", f"infra.redis_url={redis_url}",
+        "infra.train_budget_s=600", "engines.max_batch_size=4", "simulator.checkpoint=smollm2",
+        "data.textworld_games=2", "data.textworld_heldout=1", "data.textworld_families=[custom]",
+        "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1",
+        "actors.env_kind=real", "actors.num_workers=1", "actors.group_size=2", "actors.concurrent_episodes=2",
+        "actors.max_steps=2", "learner.groups_per_update=1", "learner.checkpoint_every=1",
+        f"learner.total_updates={total_updates}", "curriculum.variants_per_seed=0"])
+
+
+async def test_train_then_resume_continues_the_run(redis_url, tmp_path):
+    from infra.driver import train
+
+    first = await train(_cfg(tmp_path, redis_url, 2), "resume-me", evaluate=False)
+    assert first["updates"] == 2 and first["weight_version"] == 2
+    assert [r["version"] for r in first["history"]] == [1, 2]
+
+    second = await train(_cfg(tmp_path, redis_url, 3), "resume-me", resume=True, evaluate=False)
+    assert second["updates"] == 3 and second["weight_version"] == 3
+    assert [r["version"] for r in second["history"]] == [3]  # one new update, not three
+    assert second["replay_buffer_size"] == first["replay_buffer_size"] > 0  # reopened, not seeded twice
+    saved = json.loads((tmp_path / "runs" / "resume-me" / "summary.json").read_text())
+    assert saved["weight_version"] == 3
