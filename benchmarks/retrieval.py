@@ -3,11 +3,12 @@
 Workload: real (state, action) pairs from the offline TextWorld data (every state of
 every trajectory, and every next state, paired with each of its admissible
 commands), embedded with all-MiniLM-L6-v2 exactly as the buffer embeds them
-(`transition_text`) and cached in `<data_dir>/.cache/embeddings.sqlite` (~50-65
-texts/s here, so the first run of a large set is slow; later runs read the cache).
+(`transition_text`) and cached in `<data_dir>/.cache/embeddings.sqlite`. These
+states are long (MiniLM reads 256 word pieces of each), so embedding runs at ~35
+texts/s here: the first 100 k run takes about an hour; later runs read the cache.
 The default data set is too small for 100 k; make one first:
 
-    dreamgym collect configs/retrieval_bench.yaml      # ~115 k distinct real texts
+    dreamgym collect configs/retrieval_bench.yaml      # ~111 k distinct real texts
     python benchmarks/retrieval.py --data-dir data/retrieval-bench --sizes 10000,100000
 
 When there are fewer real texts than a size asks for, the size is skipped unless
@@ -16,8 +17,8 @@ near-duplicates is not the real workload either).
 
 For each size and each HNSW build setting (`--m`, `--ef-construct`, comma lists):
 upsert real payloads, `optimize()`, then for held-out queries (texts not in the
-store), one query at a time, time top-10 for each query-time `--ef` (the sweep
-reuses the index): Edge HNSW ids only, and the serving path (payloads decoded, the
+store), one query at a time after a short untimed warm-up, time top-10 for each
+query-time `--ef` (the sweep reuses the index): Edge HNSW ids only, and the serving path (payloads decoded, the
 querying episode filtered out, as `EdgeBuffer.query_vectors` does); Edge exact
 search and numpy brute force (matrix product + argpartition) on the same vectors.
 recall@10 is against the exact numpy top-10, tie-aware (a hit scoring at least the
@@ -68,7 +69,9 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1000.0, q))
 
 
-def timed(fn, queries: np.ndarray) -> tuple[list[float], list]:
+def timed(fn, queries: np.ndarray, warmup: int = 20) -> tuple[list[float], list]:
+    for q in queries[:warmup]:  # untimed: the first calls after a build pay for cold caches
+        fn(q)
     lat, out = [], []
     for q in queries:
         t = time.perf_counter()
