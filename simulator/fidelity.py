@@ -113,20 +113,37 @@ JUDGE_PROMPT = ("You grade a simulated text-environment transition against the r
                 "Real next state:\n{real}\nPredicted next state:\n{pred}\n")
 
 
-async def judge(client: Any, examples: list[MexpExample], records: list[dict]) -> dict[str, float]:
-    """Mean LLM-judge scores over the parsed steps (unparseable judge replies are skipped)."""
-    scores: dict[str, list[int]] = {"consistency": [], "informativeness": [], "hallucination": []}
-    for ex, rec in zip(examples, records):
-        if not rec["parsed"]:
-            continue
-        res = await client.generate(JUDGE_PROMPT.format(state=ex.state, action=ex.action, real=ex.truth.next_state,
-                                                        pred=rec["state"]),
-                                    sampling_params={"max_new_tokens": 40, "temperature": 0.0})
-        for key in scores:
-            m = re.search(rf"{key}\s*=\s*([1-5])", res.text, re.I)
-            if m:
-                scores[key].append(int(m.group(1)))
-    return {f"judge_{k}": (sum(v) / len(v) if v else float("nan")) for k, v in scores.items()}
+JUDGE_KEYS = ("consistency", "informativeness", "hallucination")
+
+
+def judge_scores(reply: str) -> dict[str, int]:
+    """The 1-5 scores a judge reply gives, by key; keys it does not score (or scores out of range) are absent."""
+    out: dict[str, int] = {}
+    for key in JUDGE_KEYS:
+        m = re.search(rf"\b{key}\s*[=:]\s*([0-9]+)\b", reply, re.I)
+        if m and 1 <= int(m.group(1)) <= 5:
+            out[key] = int(m.group(1))
+    return out
+
+
+async def judge(client: Any, examples: list[MexpExample], records: list[dict], concurrency: int = 8) -> dict[str, float]:
+    """Mean LLM-judge scores over the parsed steps (a key a reply does not score is skipped for that step)."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(ex: MexpExample, rec: dict) -> dict[str, int]:
+        async with gate:
+            res = await client.generate(JUDGE_PROMPT.format(state=ex.state, action=ex.action,
+                                                            real=ex.truth.next_state, pred=rec["state"]),
+                                        sampling_params={"max_new_tokens": 40, "temperature": 0.0})
+        return judge_scores(res.text)
+
+    replies = await asyncio.gather(*(one(ex, rec) for ex, rec in zip(examples, records) if rec["parsed"]))
+    means = {}
+    for key in JUDGE_KEYS:
+        got = [r[key] for r in replies if key in r]
+        means[f"judge_{key}"] = sum(got) / len(got) if got else float("nan")
+    means["judge_replies_scored"] = sum(1 for r in replies if len(r) == len(JUDGE_KEYS))
+    return means
 
 
 async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held_trajs: list, data_dir: str | Path,
@@ -215,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(report, indent=1))
     cols = ["steps", "parse_failure_rate", "reward_accuracy", "delta_r_mean", "delta_r_max", "done_accuracy",
             "item_recall", "token_f1"]
+    if args.judge_url:
+        cols += [f"judge_{k}" for k in JUDGE_KEYS]
     table = Table(title=f"Mexp fidelity on {len(held_trajs)} held-out real trajectories")
     for c in ["checkpoint", "setting"] + cols:
         table.add_column(c)

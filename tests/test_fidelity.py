@@ -6,7 +6,7 @@ import pytest
 
 from infra.config import SimulatorConfig
 from infra.schema import Step, Task, Trajectory
-from simulator.fidelity import item_recall, replay, summarize, token_f1
+from simulator.fidelity import item_recall, judge, judge_scores, replay, summarize, token_f1
 from simulator.mexp_data import build_examples
 
 REAL = "Goal: g\nRoom: Hall.\nActions:\n[1] go north\n[2] open door\n[3] take key"
@@ -71,3 +71,30 @@ async def test_replay_is_teacher_forced():
     assert not records[1]["parsed"] and records[1]["true_done"] is True
     assert "Previous actions: go north" in client.prompts[1]  # the real history, not Mexp's
     assert "Room: North." in client.prompts[1]  # the real state, teacher-forced
+
+
+@pytest.mark.parametrize("reply,expected", [
+    ("consistency=4 informativeness=3 hallucination=5", {"consistency": 4, "informativeness": 3, "hallucination": 5}),
+    ("Consistency: 2, Informativeness = 1\nhallucination=9", {"consistency": 2, "informativeness": 1}),
+    ("consistency=45 inconsistency=3", {}),
+    ("", {}),
+    ("<think>consistency=</think> hallucination=0", {}),
+])
+def test_judge_scores_reads_only_in_range_scores(reply, expected):
+    assert judge_scores(reply) == expected
+
+
+async def test_judge_averages_what_each_reply_scores_over_parsed_steps():
+    from types import SimpleNamespace
+
+    from tests.test_experience_model import ScriptedClient
+
+    nxt = "Room: North.\nActions:\n[1] go south"
+    examples = [SimpleNamespace(state=REAL, action="go north", truth=SimpleNamespace(next_state=nxt))] * 3
+    records = [{"parsed": True, "state": nxt}, {"parsed": False, "state": ""}, {"parsed": True, "state": "junk"}]
+    client = ScriptedClient(["consistency=5 informativeness=4 hallucination=5", "consistency=1 no other scores"])
+    got = await judge(client, examples, records, concurrency=1)
+    assert len(client.prompts) == 2  # the unparsed step is not judged
+    assert "Predicted next state:\n" + nxt in client.prompts[0] and "Real next state:\n" + nxt in client.prompts[0]
+    assert got["judge_consistency"] == 3.0 and got["judge_informativeness"] == 4.0
+    assert got["judge_hallucination"] == 5.0 and got["judge_replies_scored"] == 1
