@@ -87,22 +87,22 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
                           group_size=cfg.actors.group_size)
         if resume and learner.resume():
             await learner.publish()
-        env_factory = phases.env_factory(cfg, engines.mexp, buffer, tok)
-
-        def spawn(wid: str) -> LocalWorkerHandle:
-            policy = ChoicePolicy(engines.policy, tok, cfg.actors.temperature, seed=hash((cfg.infra.seed, wid)))
-            return LocalWorkerHandle(RolloutWorker(
-                wid, client, prefix, policy, env_factory, cfg.actors,
-                buffer=buffer if cfg.simulator.write_back else None, reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
-                maxlen=cfg.infra.stream_maxlen))
-
         if cfg.actors.runtime == "ray":  # workers as Ray actors; the buffer moves into the one actor that owns it
             from infra.cluster.rollout_fleet import RolloutFleet
 
             buffer.close()
             fleet = RolloutFleet(cfg, url, prefix, engines.mexp.urls, engines.policy.urls, run_dir / "buffer",
                                  phases.embedding_cache(cfg))
-            spawn = fleet.spawn  # noqa: F811
+            spawn = fleet.spawn
+        else:  # workers on this event loop, sharing this process's engine clients and buffer
+            env_factory = phases.env_factory(cfg, engines.mexp, buffer, tok)
+
+            def spawn(wid: str) -> LocalWorkerHandle:
+                policy = ChoicePolicy(engines.policy, tok, cfg.actors.temperature, seed=hash((cfg.infra.seed, wid)))
+                return LocalWorkerHandle(RolloutWorker(
+                    wid, client, prefix, policy, env_factory, cfg.actors,
+                    buffer=buffer if cfg.simulator.write_back else None, reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
+                    maxlen=cfg.infra.stream_maxlen))
 
         pool, stop, history = WorkerPool(spawn), asyncio.Event(), RunHistory()
         source = phases.task_source(cfg, client, prefix, splits.train, engines.mexp, tok, getattr(buffer, "embedder", None))
