@@ -87,11 +87,10 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
                           group_size=cfg.actors.group_size)
         if resume and learner.resume():
             await learner.publish()
-        if cfg.actors.runtime == "ray":  # workers as Ray actors; the buffer moves into the one actor that owns it
+        if cfg.actors.runtime == "ray":  # workers as Ray actors; an embedded store moves into one buffer actor
             from infra.cluster.rollout_fleet import RolloutFleet
 
-            buffer.close()
-            fleet = RolloutFleet(cfg, url, prefix, engines.mexp.urls, engines.policy.urls, run_dir / "buffer",
+            fleet = RolloutFleet(cfg, url, prefix, engines.mexp.urls, engines.policy.urls, buffer, run_dir / "buffer",
                                  phases.embedding_cache(cfg))
             spawn = fleet.spawn
         else:  # workers on this event loop, sharing this process's engine clients and buffer
@@ -160,7 +159,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
     finally:
         if fleet is not None:
             fleet.close()
-        elif buffer is not None:
+        if buffer is not None:
             buffer.close()  # releases the store's lock: a resumed run in this process reopens it
         if engines is not None:
             await engines.close()

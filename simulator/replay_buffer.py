@@ -300,7 +300,9 @@ class QdrantBuffer:
         pass  # the server persists on write; local mode persists on close
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 def make_buffer(cfg: SimulatorConfig, path: str | Path, embedder: Embedder | None = None) -> ReplayBuffer:

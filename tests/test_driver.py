@@ -43,3 +43,20 @@ async def test_train_then_resume_continues_the_run(redis_url, tmp_path):
     assert second["replay_buffer_size"] == first["replay_buffer_size"] > 0  # reopened, not seeded twice
     saved = json.loads((tmp_path / "runs" / "resume-me" / "summary.json").read_text())
     assert saved["weight_version"] == 3
+
+
+@pytest.mark.ray
+async def test_train_with_ray_worker_actors(redis_url, tmp_path):
+    from infra.cluster.runtime import init_ray, shutdown_ray
+    from infra.driver import train
+
+    init_ray(num_cpus=2, memory_bytes=2 * 1024 ** 3, object_store_bytes=128 * 1024 ** 2)
+    try:
+        cfg = _cfg(tmp_path, redis_url, 1)
+        cfg.actors.runtime = "ray"
+        summary = await train(cfg, "on-ray", evaluate=False)
+    finally:
+        shutdown_ray()
+    assert summary["updates"] == 1 and summary["trajectories_trained"] == 2
+    assert summary["trajectories_pushed"] >= 2  # counted from the worker actors' final status
+    assert summary["replay_buffer_size"] > 0  # real rollouts: the driver kept its buffer

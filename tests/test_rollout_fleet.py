@@ -52,7 +52,7 @@ async def test_worker_actor_plays_a_real_group_through_the_engine(redis_url, ray
     splits = make_textworld_tasks(tmp_path, 1, 0, ["tw-simple"], seed=3)
     cfg = load_config(None, ["actors.runtime=ray", "actors.env_kind=real", "actors.group_size=2",
                              "actors.concurrent_episodes=2", "actors.max_steps=2", f"infra.data_dir={tmp_path}"])
-    fleet = RolloutFleet(cfg, redis_url, PREFIX, [engine.url], [engine.url], tmp_path / "buffer")
+    fleet = RolloutFleet(cfg, redis_url, PREFIX, [engine.url], [engine.url], None, tmp_path / "buffer")
     client = connect(redis_url)
     try:
         assert fleet.buffer_actor is None  # real environments need no replay buffer
@@ -86,9 +86,8 @@ async def test_buffer_actor_serves_retrieval_and_write_back_then_hands_the_store
     store = tmp_path / "buffer"
     seeded = EdgeBuffer(store, Embedder(cache_path=tmp_path / "emb.sqlite"))
     seeded.add([_transition(i) for i in range(5)])
-    seeded.close()  # the driver lets go before the actor opens it
     cfg = load_config(None, ["actors.runtime=ray", "simulator.top_k=2", "simulator.max_steps=2"])
-    fleet = RolloutFleet(cfg, redis_url, PREFIX, [engine.url], [engine.url], store, tmp_path / "emb.sqlite")
+    fleet = RolloutFleet(cfg, redis_url, PREFIX, [engine.url], [engine.url], seeded, store, tmp_path / "emb.sqlite")
     try:
         assert fleet.buffer_actor is not None and fleet.buffer_size() == 5
         env = EnvFactory(cfg, [engine.url], fleet.buffer_actor)()  # what a worker actor builds

@@ -119,12 +119,13 @@ class EnvFactory:
 class RolloutFleet:
     """Spawns rollout worker actors for WorkerPool and owns the buffer actor they share.
 
-    Call after the driver has seeded the buffer at `buffer_path` and closed its own
-    handle on it (an embedded store is opened by one process at a time).
+    `buffer` is the driver's replay buffer, seeded, at `buffer_path`. When the workers need
+    it and only one process may open it, the fleet closes the driver's handle and reopens
+    the store in a BufferActor; otherwise the driver keeps it.
     """
 
     def __init__(self, cfg: Config, redis_url: str, prefix: str, mexp_urls: list[str], policy_urls: list[str],
-                 buffer_path: str | Path, embedding_cache: str | Path = ""):
+                 buffer: Any, buffer_path: str | Path, embedding_cache: str | Path = ""):
         import ray
 
         from infra.cluster.runtime import init_ray, placement_options
@@ -135,10 +136,12 @@ class RolloutFleet:
         resources = init_ray(cfg.infra.ray_address)
         self.worker_options = placement_options("rollout", resources, override=cfg.actors.worker_resources or None)
         self.buffer_path = str(buffer_path)
-        self.buffer_actor = None
+        self.buffer_actor, self.local_buffer = None, buffer
         if cfg.actors.env_kind == "synthetic" and _shares_store(cfg):
             from infra.cluster.buffer_actor import BufferActor
 
+            buffer.close()
+            self.local_buffer = None
             self.buffer_actor = BufferActor.options(**placement_options("buffer", resources, num_cpus=0.25)).remote(
                 asdict(cfg.simulator), self.buffer_path, str(embedding_cache))
             ray.get(self.buffer_actor.size.remote())  # opened, or the error surfaces here
@@ -161,7 +164,9 @@ class RolloutFleet:
     def buffer_size(self) -> int:
         import ray
 
-        return int(ray.get(self.buffer_actor.size.remote())) if self.buffer_actor is not None else 0
+        if self.buffer_actor is not None:
+            return int(ray.get(self.buffer_actor.size.remote()))
+        return len(self.local_buffer) if self.local_buffer is not None else 0
 
     def close(self) -> None:
         """Flush and close the buffer (so the store reopens cleanly), then stop Ray if this fleet started it."""
