@@ -68,3 +68,9 @@ class ScriptedPolicy:
         labels = list(range(81, 81 + len(candidates)))
         return Decision(candidates[i], i, f"prompt for {task.task_id}: {state[:20]}", [labels[i]], [-0.5], labels,
                         self.version)
+
+
+async def slow_scripted_policy(delay_s: float = 1.5) -> ScriptedPolicy:
+    """A policy factory that takes a while, as loading a tokenizer and an engine client does."""
+    await asyncio.sleep(delay_s)
+    return ScriptedPolicy()

@@ -13,7 +13,7 @@ from infra.schema import Task, Trajectory, decode_as, encode
 from infra.scale import WorkerPool, autoscale_target, desired_key
 from infra.streams import StreamProducer, connect, tasks_stream, trajectories_stream
 from infra.task_sampler import UniformTaskSampler
-from tests.rollout_fakes import LadderEnv, ScriptedPolicy
+from tests.rollout_fakes import LadderEnv, ScriptedPolicy, slow_scripted_policy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 PREFIX = "el"
@@ -150,3 +150,22 @@ async def test_autoscaler_reads_the_task_backlog(redis_url):
         [encode(Task(task_id=f"a{i}", instruction="climb")) for i in range(5)])
     assert await rule(2) == 3 and await rule(3) == 3  # backlog 5 > 2 workers x 1 slot; capped at 3
     await client.aclose()
+
+
+async def test_status_of_a_starting_worker_has_every_counter(redis_url, ray_local):
+    from infra.cluster.worker_actor import RayWorkerHandle
+
+    cfg = ActorsConfig(group_size=G, concurrent_episodes=G, max_steps=4)
+    handle = RayWorkerHandle.spawn("slow-start", redis_url, "el-start", cfg, slow_scripted_policy,
+                                   functools.partial(LadderEnv, 3),
+                                   options={"num_cpus": 0.5})
+    starting = await handle.status()
+    assert starting["starting"] and starting["trajectories_pushed"] == 0 and starting["groups_done"] == 0
+    running = {}
+    for _ in range(100):
+        running = await handle.status()
+        if not running.get("starting"):
+            break
+        await asyncio.sleep(0.1)
+    assert set(starting) - {"starting"} == set(running)  # one status shape, starting or running
+    await handle.stop()

@@ -62,7 +62,11 @@ class RolloutWorkerActor:
         return self.worker.status()
 
     async def status(self) -> dict:
-        return self.worker.status() if self.worker else {"worker_id": self.args[0], "starting": True}
+        if self.worker is not None:
+            return self.worker.status()
+        # Still building its policy and environments: the same keys as a worker's status, all zero.
+        counts = dict.fromkeys(("groups_done", "episodes_done", "trajectories_pushed", "groups_failed", "inflight"), 0)
+        return {"worker_id": self.args[0], **counts, "stopping": self._stop_requested is not None, "starting": True}
 
 
 class RayWorkerHandle:
