@@ -41,6 +41,8 @@ from infra.streams import DATA_FIELD, StreamConsumer, key, tasks_stream, traject
 from infra.task_stats import TaskStatsStore
 
 log = logging.getLogger(__name__)
+# The counters `status()` reports (a worker actor still starting reports them at zero).
+STATUS_COUNTERS = ("groups_done", "episodes_done", "trajectories_pushed", "groups_failed")
 
 WORKER_GROUP = "workers"
 HANDBACK_CONSUMER = "handed-back"
@@ -291,6 +293,5 @@ class RolloutWorker:
         log.info("%s handed %d task(s) back", self.worker_id, len(entry_ids))
 
     def status(self) -> dict:
-        return {"worker_id": self.worker_id, "groups_done": self.groups_done, "episodes_done": self.episodes_done,
-                "trajectories_pushed": self.trajectories_pushed, "groups_failed": self.groups_failed, "inflight": len(self._inflight),
-                "stopping": self._stopping.is_set()}
+        return {"worker_id": self.worker_id, **{c: getattr(self, c) for c in STATUS_COUNTERS},
+                "inflight": len(self._inflight), "stopping": self._stopping.is_set()}

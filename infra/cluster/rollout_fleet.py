@@ -31,11 +31,6 @@ from infra.config import Config, SimulatorConfig
 log = logging.getLogger(__name__)
 
 
-def _engine_kw(cfg: Config) -> dict:
-    e = cfg.engines
-    return {"timeout_s": e.request_timeout_s, "max_retries": e.max_retries, "health_interval_s": e.health_interval_s}
-
-
 def _shares_store(cfg: Config) -> bool:
     """True when the buffer is a store only one process may open (Edge, or qdrant-client's local mode)."""
     return cfg.simulator.buffer_backend == "edge" or not cfg.simulator.qdrant_url
@@ -81,7 +76,7 @@ class PolicyFactory:
         from infra.engine_client import EngineClient
         from infra.model_loading import load_tokenizer
 
-        client = EngineClient(self.urls, role="policy", **_engine_kw(self.cfg))
+        client = EngineClient.from_config(self.cfg.engines, self.urls, role="policy")
         return ChoicePolicy(client, load_tokenizer(self.cfg.engines.model), self.cfg.actors.temperature, seed=self.seed)
 
 
@@ -101,7 +96,7 @@ class EnvFactory:
         from simulator.experience_model import ExperienceModel
 
         buffer = BufferClient(self.buffer_actor) if self.buffer_actor is not None else ServerBuffer(self.cfg.simulator)
-        client = EngineClient(self.mexp_urls, role="mexp", **_engine_kw(self.cfg))
+        client = EngineClient.from_config(self.cfg.engines, self.mexp_urls, role="mexp")
         return ExperienceModel(client, buffer, self.cfg.simulator, load_tokenizer(self.cfg.engines.model))
 
     def __call__(self) -> Any:
@@ -135,7 +130,6 @@ class RolloutFleet:
         self.started_ray = not ray.is_initialized()
         resources = init_ray(cfg.infra.ray_address)
         self.worker_options = placement_options("rollout", resources, override=cfg.actors.worker_resources or None)
-        self.buffer_path = str(buffer_path)
         self.buffer_actor, self.local_buffer = None, buffer
         if cfg.actors.env_kind == "synthetic" and _shares_store(cfg):
             from infra.cluster.buffer_actor import BufferActor
@@ -143,7 +137,7 @@ class RolloutFleet:
             buffer.close()
             self.local_buffer = None
             self.buffer_actor = BufferActor.options(**placement_options("buffer", resources, num_cpus=0.25)).remote(
-                asdict(cfg.simulator), self.buffer_path, str(embedding_cache))
+                asdict(cfg.simulator), str(buffer_path), str(embedding_cache))
             ray.get(self.buffer_actor.size.remote())  # opened, or the error surfaces here
         log.info("rollout workers run as Ray actors with %s", self.worker_options)
 

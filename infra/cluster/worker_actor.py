@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import ray
 
-from actors.rollout_worker import RolloutWorker
+from actors.rollout_worker import STATUS_COUNTERS, RolloutWorker
 from infra.config import ActorsConfig
 from infra.streams import connect
 
@@ -65,8 +65,8 @@ class RolloutWorkerActor:
         if self.worker is not None:
             return self.worker.status()
         # Still building its policy and environments: the same keys as a worker's status, all zero.
-        counts = dict.fromkeys(("groups_done", "episodes_done", "trajectories_pushed", "groups_failed", "inflight"), 0)
-        return {"worker_id": self.args[0], **counts, "stopping": self._stop_requested is not None, "starting": True}
+        return {"worker_id": self.args[0], **dict.fromkeys(STATUS_COUNTERS, 0), "inflight": 0,
+                "stopping": self._stop_requested is not None, "starting": True}
 
 
 class RayWorkerHandle:
