@@ -28,7 +28,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from infra.schema import Task, Trajectory, decode_as, encode, _from_fields
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from actors.dataset import offline_settings, splits_path, trajectories_path, write_stamp, write_trajectories
+from actors.envs.expert import make_chooser
+from actors.envs.miniwob_env import browsers_that_fit
+from actors.envs.registry import load_or_make_splits, make_env
+from actors.episode import run_episode
+from infra.config import add_config_arguments, config_from_args
+from infra.schema import Task, Trajectory, decode_as, encode, from_fields
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +46,7 @@ log = logging.getLogger(__name__)
 def _collect_one_task(family: str, task_d: dict, policies: list[str], episodes: int, eps: float, max_steps: int,
                       seed: int) -> list[bytes]:
     """Worker-process entry: every (policy, episode) of one task on one fresh environment."""
-    from actors.envs.expert import make_chooser
-    from actors.envs.registry import make_env
-    from actors.evaluate import run_episode
-
-    task = _from_fields(Task, task_d)
+    task = from_fields(Task, task_d)
 
     async def go() -> list[bytes]:
         env = make_env(family, max_steps=max_steps)
@@ -84,7 +90,7 @@ def collect(family: str, tasks: list[Task], policies: list[str], episodes: int, 
 async def _teacher_rationales(trajs: list[Trajectory], endpoint: str, model: str, concurrency: int = 4,
                               timeout_s: float = 300.0) -> tuple[int, list[str]]:
     """Rewrite rationales with a teacher LLM; returns (steps it wrote, errors of the calls that failed)."""
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI  # optional: only a teacher endpoint needs it (the `test` extra installs it)
 
     client = AsyncOpenAI(base_url=endpoint, api_key="none", timeout=timeout_s, max_retries=1)
     sem = asyncio.Semaphore(concurrency)
@@ -127,24 +133,14 @@ def summary_rows(trajs: list[Trajectory]) -> list[dict]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from infra.cli import add_config_arguments
-
     add_config_arguments(p)
-    p.add_argument("--family", default="textworld", choices=["textworld", "miniwob"], help="real environment family")
+    p.add_argument("--family", default="textworld", choices=["textworld", "miniwob", "alfworld", "browsergym"], help="real environment family")
     p.add_argument("--out", default="", help="data directory to write into (default: infra.data_dir)")
     p.add_argument("--limit", type=int, default=0, help="collect on the first N train tasks only (0 = all)")
     p.add_argument("--rebuild-splits", action="store_true", help="regenerate the task splits even if splits.json exists")
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from actors.dataset import splits_path, trajectories_path, write_trajectories
-    from actors.envs.registry import load_or_make_splits
-    from infra.cli import config_from_args
-
     cfg = config_from_args(args)
     data_dir = Path(args.out or cfg.infra.data_dir)
     console = Console()
@@ -156,9 +152,7 @@ def run(args: argparse.Namespace) -> int:
                   f"splits: {splits_path(data_dir, args.family)}")
     policies = list(cfg.data.policies)
     workers = cfg.data.workers
-    if args.family == "miniwob":  # one browser per worker process; size the pool by memory
-        from actors.envs.miniwob_env import browsers_that_fit
-
+    if args.family in ("miniwob", "browsergym"):  # browsers per worker process; size the pool by memory
         workers = min(workers, browsers_that_fit())
     total = len(tasks) * len(policies) * cfg.data.episodes_per_task
     with Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
@@ -175,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[yellow]{total - len(trajs)} episodes produced no steps (environment errors; see the log)[/yellow]")
     out = trajectories_path(data_dir, args.family)
     write_trajectories(out, trajs)
+    write_stamp(out, {**offline_settings(args.family, cfg.data, cfg.infra.seed), "limit": args.limit})
     table = Table(title=f"dreamgym collect: {args.family} ({time.perf_counter() - t0:.1f} s)")
     for col in ("policy", "episodes", "transitions", "success", "invalid rate"):
         table.add_column(col, justify="right")

@@ -9,6 +9,11 @@ Owns the two file formats the rest of DreamGym reads offline data through:
 - task splits: `TaskSplits(train, heldout)` as JSON (`<data_dir>/<family>/splits.json`),
   each task in the wire schema's field names.
 
+Both are stamped (`<file>.key.json`) with the content key of the settings that made
+them (`splits_settings`, `offline_settings`): a reader whose settings differ rebuilds
+them rather than silently reusing data made with other settings. Artifacts built on
+them (the Mexp SFT checkpoint, the policy warm start) fold the offline key into their own.
+
 Writes go to a temporary file renamed into place, so a crash never leaves half a file.
 """
 
@@ -22,9 +27,48 @@ from pathlib import Path
 
 import msgpack
 
-from infra.schema import MalformedMessage, SchemaError, Task, Trajectory, encode, from_dict, _from_fields
+from infra.config import section_settings, settings_key
+from infra.schema import MalformedMessage, SchemaError, Task, Trajectory, encode, from_dict, from_fields
 
-__all__ = ["TaskSplits", "write_trajectories", "read_trajectories", "trajectories_path", "splits_path", "SchemaError"]
+__all__ = ["TaskSplits", "write_trajectories", "read_trajectories", "trajectories_path", "splits_path", "SchemaError",
+           "splits_settings", "offline_settings", "write_stamp", "stamp_matches"]
+
+# The `data` fields that shape a family's task splits (besides the seed).
+_SPLIT_PREFIXES = {"textworld": ("textworld_",), "miniwob": ("miniwob_",), "alfworld": ("alfworld_",),
+                   "browsergym": ("browsergym_",)}
+# ... and the collection itself.
+_COLLECT_FIELDS = ("policies", "episodes_per_task", "noise_eps", "max_steps", "teacher_endpoint", "teacher_model")
+
+
+def splits_settings(kind: str, data_cfg, seed: int) -> dict:
+    """What shapes the task splits of `kind` (a canonical family: textworld, miniwob, alfworld, browsergym)."""
+    return {"family": kind, "seed": seed, **section_settings(data_cfg, prefixes=_SPLIT_PREFIXES.get(kind, ()))}
+
+
+def offline_settings(kind: str, data_cfg, seed: int) -> dict:
+    """What shapes the offline trajectories: the splits they were collected on and how they were collected."""
+    return {"splits": settings_key(splits_settings(kind, data_cfg, seed)), **section_settings(data_cfg, _COLLECT_FIELDS)}
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".key.json")
+
+
+def write_stamp(path: str | Path, settings: dict) -> None:
+    """Record next to `path` the key (and the settings) it was made with."""
+    doc = {"key": settings_key(settings), "settings": settings}
+    _atomic_write(_stamp_path(Path(path)), json.dumps(doc, indent=1, default=str).encode())
+
+
+def stamp_matches(path: str | Path, settings: dict) -> bool:
+    """True when `path` exists and was made with these settings (an unstamped file is not trusted)."""
+    path, stamp = Path(path), _stamp_path(Path(path))
+    if not path.exists() or not stamp.exists():
+        return False
+    try:
+        return json.loads(stamp.read_text()).get("key") == settings_key(settings)
+    except (json.JSONDecodeError, AttributeError):
+        return False
 
 
 def trajectories_path(data_dir: str | Path, family: str) -> Path:
@@ -94,7 +138,7 @@ class TaskSplits:
     def load(cls, path: str | Path) -> "TaskSplits":
         try:
             doc = json.loads(Path(path).read_text())
-            return cls(train=[_from_fields(Task, d) for d in doc["train"]],
-                       heldout=[_from_fields(Task, d) for d in doc["heldout"]])
+            return cls(train=[from_fields(Task, d) for d in doc["train"]],
+                       heldout=[from_fields(Task, d) for d in doc["heldout"]])
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise MalformedMessage(f"{path}: not a task-splits file: {exc}") from exc

@@ -1,13 +1,17 @@
 """The rollout worker: takes tasks off the task stream, plays GRPO groups, pushes trajectories.
 
-Owns the episode logic and its delivery guarantees, nothing about Ray (a thin actor in
-infra/cluster/worker_actor.py wraps it) and nothing about which environment it plays:
+Owns task delivery around the episode loop (actors/episode.py, shared with evaluation),
+nothing about Ray (a thin actor in infra/run/cluster/worker_actor.py wraps it) and
+nothing about which environment it plays:
 
-- a task is read from the task stream through the `workers` consumer group;
+- a task is read from the task stream through the `WORKERS_GROUP` consumer group;
 - its group of G rollouts runs concurrently in fresh environments (synthetic by
   default, a real one for the RL baseline and S2R), at most `concurrent_episodes`
   episodes at once across the worker so the engines see batches;
-- every action comes from the policy with its log-probs and weight version;
+- every action comes from the policy with its log-probs and weight version; an
+  episode whose simulator or real environment broke ends as `sim_error`/`env_error`
+  (the learner sets it aside), while any other failure (an engine outage) fails the
+  group, whose task is handed back;
 - the finished group is pushed to the trajectory stream in one MULTI/EXEC together
   with a "group done" marker keyed by the task's stream entry id, then the task's
   reward statistics are recorded, synthetic transitions are written back into the
@@ -16,8 +20,13 @@ infra/cluster/worker_actor.py wraps it) and nothing about which environment it p
   whose group was already pushed is only acked, so no group is pushed twice;
 - while a group runs, its entry's idle time is refreshed (a lease), so a slow but
   live worker is not robbed by XAUTOCLAIM;
+- a group that fails (an engine outage, a task its environment cannot build) is
+  `nack`ed with the error: the task is left for redelivery to any worker, and after
+  `infra.max_deliveries` failed deliveries it moves to `<tasks stream>:dead` with the
+  last error, so one bad task never loops through the fleet forever;
 - `stop(drain=True)` finishes in-flight groups; `stop(drain=False)` cancels them and
-  hands their tasks back (idle time set high, so the next XAUTOCLAIM takes them).
+  hands their tasks back (idle time set high, so the next XAUTOCLAIM takes them; a
+  handed-back task is not a failure, but its redelivery still counts).
 
 Departure from the paper: none in substance; the paper does not describe its workers.
 """
@@ -25,26 +34,30 @@ Departure from the paper: none in substance; the paper does not describe its wor
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
-import time
 from typing import Any, Callable, Protocol
 
 import redis.asyncio as aioredis
 
 from actors.envs.base import Environment
+from actors.episode import run_episode
 from infra import metrics
+from infra.budget import StepBudget
 from infra.config import ActorsConfig
-from infra.schema import EnvKind, Status, Step, Task, Trajectory, decode_as, encode, new_id
-from infra.streams import DATA_FIELD, StreamConsumer, key, tasks_stream, trajectories_stream, with_retry
+from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode, new_id
+from infra.streams import (DATA_FIELD, DEFAULT_MAX_DELIVERIES, WORKERS_GROUP, StreamConsumer, key, tasks_stream,
+                           trajectories_stream, with_retry)
 from infra.task_stats import TaskStatsStore
+from simulator.replay_buffer import Transition
 
 log = logging.getLogger(__name__)
 # The counters `status()` reports (a worker actor still starting reports them at zero).
-STATUS_COUNTERS = ("groups_done", "episodes_done", "trajectories_pushed", "groups_failed")
+STATUS_COUNTERS = ("groups_done", "episodes_done", "trajectories_pushed", "groups_failed", "steps_taken",
+                   "tasks_dead_lettered")
 
-WORKER_GROUP = "workers"
 HANDBACK_CONSUMER = "handed-back"
 GROUP_DONE_TTL_S = 7 * 24 * 3600
 
@@ -69,16 +82,13 @@ async def _maybe_await(x: Any) -> Any:
     return await x if inspect.isawaitable(x) else x
 
 
-def _is_mexp_rejection(exc: BaseException) -> bool:
-    return type(exc).__name__ == "MexpRejected"
-
-
 class RolloutWorker:
     """Plain async episode logic; `run()` until `stop()`."""
 
     def __init__(self, worker_id: str, client: aioredis.Redis, prefix: str, policy: Policy, env_factory: EnvFactory,
                  cfg: ActorsConfig, buffer: TransitionSink | None = None, stats: TaskStatsStore | None = None,
-                 env_kind: EnvKind | str | None = None, reclaim_idle_ms: int = 30_000, maxlen: int = 100_000):
+                 env_kind: EnvKind | str | None = None, reclaim_idle_ms: int = 30_000, maxlen: int = 100_000,
+                 max_deliveries: int = DEFAULT_MAX_DELIVERIES):
         self.worker_id, self.client, self.prefix = worker_id, client, prefix
         self.policy, self.env_factory, self.cfg, self.buffer = policy, env_factory, cfg, buffer
         self.stats = stats or TaskStatsStore(client, prefix)
@@ -87,8 +97,11 @@ class RolloutWorker:
         self.task_stream, self.traj_stream = tasks_stream(prefix), trajectories_stream(prefix)
         # A fresh consumer name per incarnation: a restarted worker's old entries are
         # reclaimed like any dead consumer's, never re-read as "own pending" mid-flight.
-        self.consumer = StreamConsumer(client, self.task_stream, WORKER_GROUP, f"{worker_id}-{new_id()[:6]}",
-                                       lambda b: decode_as(b, Task), reclaim_idle_ms=reclaim_idle_ms, reclaim_every=3)
+        self.consumer = StreamConsumer(client, self.task_stream, WORKERS_GROUP, f"{worker_id}-{new_id()[:6]}",
+                                       lambda b: decode_as(b, Task), reclaim_idle_ms=reclaim_idle_ms, reclaim_every=3,
+                                       max_deliveries=max_deliveries)
+        # Real rollouts draw from the run's exact budget of real transitions (infra/budget.py).
+        self.budget = StepBudget(client, prefix, cfg.real_transitions) if self.env_kind == EnvKind.REAL else None
         self._episode_slots = asyncio.Semaphore(cfg.concurrent_episodes)
         self._read_lock = asyncio.Lock()
         self._inflight: dict[bytes, asyncio.Task] = {}
@@ -98,6 +111,8 @@ class RolloutWorker:
         self.groups_failed = 0
         self.trajectories_pushed = 0
         self.episodes_done = 0
+        self.steps_taken = 0
+        self.tasks_dead_lettered = 0
 
     # ----- the loop -----
     async def run(self, max_groups: int | None = None) -> None:
@@ -132,11 +147,15 @@ class RolloutWorker:
             except asyncio.CancelledError:
                 if not job.done():
                     raise
-            except Exception as exc:  # an engine or Redis outage: give the task back, keep serving
-                log.error("%s: group of %s failed (%s: %s); handing the task back", self.worker_id,
-                          d.message.task_id, type(exc).__name__, exc)
+            except Exception as exc:  # an engine outage or a bad task: retry it elsewhere, bounded; keep serving
+                log.error("%s: group of %s failed (%s: %s); the task is left for redelivery (delivery %d of %d)",
+                          self.worker_id, d.message.task_id, type(exc).__name__, exc, d.deliveries,
+                          self.consumer.max_deliveries)
                 self.groups_failed += 1
-                await self.hand_back([d.entry_id])
+                try:
+                    self.tasks_dead_lettered += len(await self.consumer.nack([d], exc))
+                except Exception as nack_exc:  # Redis gone for good: the entry stays pending, reclaimed later
+                    log.warning("nack failed (%s); the task will be reclaimed when idle", nack_exc)
                 await asyncio.sleep(1.0)
             finally:
                 self._inflight.pop(d.entry_id, None)
@@ -177,7 +196,7 @@ class RolloutWorker:
             ids = list(self._inflight)
             if ids:
                 try:
-                    await self.client.xclaim(self.task_stream, WORKER_GROUP, self.consumer.consumer, 0, ids, justid=True)
+                    await self.client.xclaim(self.task_stream, WORKERS_GROUP, self.consumer.consumer, 0, ids, justid=True)
                 except Exception as exc:  # a missed renewal only risks a duplicate run, never a loss
                     log.warning("lease renewal failed: %s", exc)
 
@@ -188,77 +207,26 @@ class RolloutWorker:
 
     async def _slot_episode(self, task: Task, group_id: str) -> Trajectory:
         async with self._episode_slots:
-            return await self.run_episode(task, group_id)
+            return await self.play(task, group_id)
 
-    async def run_episode(self, task: Task, group_id: str) -> Trajectory:
+    async def play(self, task: Task, group_id: str) -> Trajectory:
+        """One episode in a fresh environment (actors/episode.py), closed afterwards."""
         env = self.env_factory()
-        traj = Trajectory(task_id=task.task_id, group_id=group_id, env_kind=self.env_kind, worker_id=self.worker_id,
-                          task=task)
-        t0, t_policy, t_env = time.monotonic(), 0.0, 0.0
-        versions: list[int] = []
-        kind = self.env_kind.value
-        metrics.ROLLOUT_INFLIGHT_EPISODES.inc()
+        trajectory_id = new_id()  # also the policy engine's affinity key: one episode stays on one server
         try:
-            t = time.monotonic()
-            state, info = await env.reset(task)
-            t_env += time.monotonic() - t
-            traj.status = Status.TRUNCATED
-            for _ in range(self.cfg.max_steps):
-                candidates = list(info.get("candidates") or [])
-                if not candidates:
-                    traj.status = Status.FAILURE
-                    break
-                t = time.monotonic()
-                dec = await self.policy.act(task, state, candidates, traj.steps, traj.trajectory_id)
-                t_policy += time.monotonic() - t
-                versions.append(int(dec.weight_version))
-                t = time.monotonic()
-                res = await env.step(dec.action)
-                t_env += time.monotonic() - t
-                valid = bool(res.info.get("valid", True))
-                traj.steps.append(Step(
-                    state=state, action=dec.action, reward=float(res.reward), done=bool(res.done),
-                    next_state=res.state, reasoning=str(res.info.get("reasoning", "")),
-                    reasoning_source=str(res.info.get("reasoning_source", "mexp" if kind == "synthetic" else "")),
-                    valid=valid, policy_prompt=dec.prompt, action_token_ids=list(dec.action_token_ids),
-                    logprobs=[float(x) for x in dec.logprobs], loss_mask=[1] * len(dec.action_token_ids),
-                    choice_token_ids=list(dec.choice_token_ids)))
-                metrics.ROLLOUT_STEPS.labels(kind).inc()
-                if not valid:
-                    metrics.ROLLOUT_INVALID_ACTIONS.labels(kind).inc()
-                state, info = res.state, res.info
-                if res.done:
-                    won = bool(info.get("won", res.reward > 0))
-                    traj.status, traj.success = (Status.SUCCESS, True) if won else (Status.FAILURE, False)
-                    break
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if _is_mexp_rejection(exc):
-                traj.status = Status.SIM_ERROR
-            elif self.env_kind == EnvKind.REAL:
-                traj.status = Status.ENV_ERROR
-                metrics.ENV_ERRORS.labels(task.family or "unknown").inc()
-            else:
-                raise
-            log.warning("episode of %s ended early: %s: %s", task.task_id, type(exc).__name__, exc)
+            traj = await run_episode(env, task, functools.partial(self.policy.act, affinity_key=trajectory_id),
+                                     self.cfg.max_steps, env_kind=self.env_kind, worker_id=self.worker_id,
+                                     group_id=group_id, trajectory_id=trajectory_id, budget=self.budget)
         finally:
-            metrics.ROLLOUT_INFLIGHT_EPISODES.dec()
             try:
                 await _maybe_await(env.close())
             except Exception as exc:  # a failing close must not lose the episode
                 log.warning("env close failed: %s", exc)
-        # The oldest weights that acted in the episode bound its staleness.
-        traj.policy_version = min(versions) if versions else 0
-        traj.timings = {"policy": t_policy, "env": t_env, "total": time.monotonic() - t0}
-        metrics.ROLLOUT_EPISODES.labels(kind, traj.status.value).inc()
-        metrics.ROLLOUT_EPISODE_SECONDS.labels(kind).observe(traj.timings["total"])
         self.episodes_done += 1
+        self.steps_taken += len(traj.steps)
         return traj
 
     async def _write_back(self, trajs: list[Trajectory]) -> None:
-        from simulator.replay_buffer import Transition
-
         transitions = [Transition(task_id=t.task_id, instruction=t.task.instruction if t.task else "", state=s.state,
                                   action=s.action, reasoning=s.reasoning, next_state=s.next_state, reward=s.reward,
                                   done=s.done, source="synthetic", episode_id=t.trajectory_id,
@@ -288,7 +256,7 @@ class RolloutWorker:
         """Give unacked tasks to a parking consumer with a huge idle time, so the next XAUTOCLAIM takes them."""
         if not entry_ids:
             return
-        await with_retry(lambda: self.client.xclaim(self.task_stream, WORKER_GROUP, HANDBACK_CONSUMER, 0, entry_ids,
+        await with_retry(lambda: self.client.xclaim(self.task_stream, WORKERS_GROUP, HANDBACK_CONSUMER, 0, entry_ids,
                                                      idle=10 ** 9, justid=True), "hand back tasks")
         log.info("%s handed %d task(s) back", self.worker_id, len(entry_ids))
 

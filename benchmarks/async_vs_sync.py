@@ -5,12 +5,13 @@ B GRPO groups (G episodes each), in two schedules:
 
 - sync: push B tasks, wait until all B groups are back, "train", repeat (no overlap; the
   slowest worker holding a task stalls everyone: the straggler effect);
-- async: the sampler keeps tasks queued, workers play continuously, the learner takes
+- async: the scheduler keeps tasks queued, workers play continuously, the learner takes
   the first B complete groups whenever it is free (rollout overlaps training).
 
 Real parts: Redis streams and consumer groups (embedded server), the real rollout
-worker (actors/rollout_worker.py) as real Ray actors (infra/cluster/worker_actor.py),
-the real task sampler and ack protocol. Stand-ins, so it runs in about a minute on a
+worker (actors/rollout_worker.py) as real Ray actors (infra/run/cluster/worker_actor.py),
+the real curriculum scheduler with `curriculum.enabled=false` (uniform sampling, as the
+run's ablation) and the real ack protocol. Stand-ins, so it runs in about a minute on a
 2-core CPU: the environment is tests/rollout_fakes.LadderEnv whose steps sleep
 (worker w's step takes `--step-s * 2**w`: speeds 1x, 2x, 4x, 8x slower), the policy
 is the scripted sampler, and an update is a sleep of `--update-s` seconds (the
@@ -31,13 +32,13 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from infra.cluster.runtime import init_ray, shutdown_ray  # noqa: E402
-from infra.cluster.worker_actor import RayWorkerHandle  # noqa: E402
-from infra.config import ActorsConfig  # noqa: E402
+from infra.run.cluster.runtime import init_ray, shutdown_ray  # noqa: E402
+from infra.run.cluster.worker_actor import RayWorkerHandle  # noqa: E402
+from infra.config import ActorsConfig, CurriculumConfig  # noqa: E402
 from infra.redis_server import EmbeddedRedis  # noqa: E402
 from infra.schema import Task, Trajectory, decode_as, encode  # noqa: E402
 from infra.streams import StreamConsumer, StreamProducer, connect, tasks_stream, trajectories_stream  # noqa: E402
-from infra.task_sampler import UniformTaskSampler  # noqa: E402
+from simulator.curriculum import CurriculumScheduler  # noqa: E402
 from tests.rollout_fakes import LadderEnv, ScriptedPolicy  # noqa: E402
 
 
@@ -78,19 +79,20 @@ async def one_mode(mode: str, url: str, args: argparse.Namespace) -> tuple[float
     learner = StandInLearner(client, prefix, args.group_size, args.groups, args.update_s)
     await learner.consumer.ensure_group()
     tasks = [Task(task_id=f"b{i}", instruction="climb") for i in range(16)]
+    uniform = CurriculumConfig(enabled=False, batch_size=args.groups, max_backlog=2 * args.workers)
+    sampler = CurriculumScheduler(client, uniform, prefix, tasks)
+    await sampler.start()  # the pool is in Redis before the clock starts
     for w in workers:  # wait until every actor is up before the clock starts
         await w.status()
     t0 = time.perf_counter()
     if mode == "sync":
-        producer, sampler = StreamProducer(client, tasks_stream(prefix)), UniformTaskSampler(
-            client, prefix, tasks, batch_size=args.groups)
+        producer = StreamProducer(client, tasks_stream(prefix))
         while learner.updates < args.updates:
             await producer.add(encode(t) for t in await sampler.next_batch())
             while not await learner.step():
                 pass
     else:
         stop = asyncio.Event()
-        sampler = UniformTaskSampler(client, prefix, tasks, batch_size=args.groups, max_backlog=2 * args.workers)
         feeder = asyncio.create_task(sampler.run(stop))
         while learner.updates < args.updates:
             await learner.step()

@@ -26,9 +26,9 @@ async def main(args: argparse.Namespace) -> None:
 
     from actors.envs.textworld_env import make_textworld_tasks
     from infra.config import CurriculumConfig
-    from infra.engine_client import EngineClient
-    from infra.engine_server import start_embedded_engine
-    from infra.model_loading import load_model
+    from infra.engine.client import EngineClient
+    from infra.engine.server import start_embedded_engine
+    from infra.engine.models import load_model
     from infra.redis_server import EmbeddedRedis
     from infra.streams import connect
     from infra.task_stats import TaskStatsStore

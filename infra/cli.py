@@ -15,49 +15,35 @@ import logging
 import os
 import sys
 
+from rich.console import Console
+from rich.logging import RichHandler
+
+from infra.config import ConfigError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # name -> (module, one-line help). The module's docstring is the long help.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("infra.driver", "Run the whole loop: data, Mexp, GRPO/PPO in DreamGym, held-out real evaluation."),
-    "status": ("infra.status", "Report Redis reachability, stream lengths, pending entries and dead letters."),
-    "serve": ("infra.engine_server", "Serve a model with the embedded engine (SGLang's HTTP API on CPU)."),
-    "generate": ("infra.generate", "Send one generation request to any SGLang-compatible endpoint."),
+    "train": ("infra.run.driver", "Run the whole loop: data, Mexp, GRPO/PPO in DreamGym, held-out real evaluation."),
+    "experiment": ("infra.run.experiment", "Run the paper's regimes (base, SFT, real RL, DreamGym, S2R, ablations) and compare them on held-out real tasks."),
+    "status": ("infra.run.status", "Report Redis reachability, stream lengths, pending entries and dead letters."),
+    "serve": ("infra.engine.server", "Serve a model with the embedded engine (SGLang's HTTP API on CPU)."),
+    "generate": ("infra.engine.generate", "Send one generation request to any SGLang-compatible endpoint."),
     "collect": ("actors.collect", "Collect offline trajectories from real environments (expert, noisy, random)."),
     "eval": ("actors.evaluate", "Evaluate a policy on held-out real tasks: success with 95% CI, steps, invalid rate."),
     "train-mexp": ("learner.mexp_sft", "Fine-tune the experience model on offline data (paper Eq. 5)."),
     "warm-start": ("learner.policy_sft", "Supervised warm start of the policy on expert offline steps (choice form)."),
     "fidelity": ("simulator.fidelity", "Replay held-out real trajectories through Mexp: reward/done accuracy, state agreement."),
-    "scale": ("infra.scale", "Add or remove rollout workers of a running training job."),
+    "scale": ("infra.run.scale", "Add or remove rollout workers of a running training job."),
     "tasks": ("simulator.task_pool", "List the curriculum's task pool with statistics and lineage."),
+    "monitor": ("infra.run.monitoring", "Print a run's live Prometheus scrape targets and whether each answers."),
+    "dashboards": ("infra.dashboards", "Write the Grafana dashboards and scrape config, or push them to a running Grafana."),
+    "report": ("infra.run.report", "Regenerate a finished run's PNG plots and markdown summary (optionally from Prometheus)."),
 }
 
 
-def add_config_arguments(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    """The shared `[config] [section.key=value ...]` arguments."""
-    # No %(default)s here: parse_intermixed_args suppresses positional defaults and help would crash.
-    p.add_argument("config", nargs="?", default=default,
-                   help=f"YAML preset in configs/ (default: {default or 'built-in defaults'})")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="override any setting, e.g. learner.lr=1e-5 actors.num_workers=4")
-
-
-def config_from_args(args: argparse.Namespace):
-    """Load the config named by add_config_arguments; a `key=value` in the config slot is an override."""
-    from infra.config import load_config
-
-    path, overrides = args.config, list(args.overrides or [])
-    if path and "=" in path and not path.endswith((".yaml", ".yml")):
-        overrides.insert(0, path)
-        path = None
-    return load_config(path, overrides)
-
-
 def setup_logging(verbose: bool = False) -> None:
-    from rich.console import Console
-    from rich.logging import RichHandler
-
     # Logs go to stderr so that stdout carries only a command's result (tables, --json).
     handler = RichHandler(console=Console(stderr=True), rich_tracebacks=True, show_path=False)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
@@ -94,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(sub)
     args = sub.parse_intermixed_args(rest)  # overrides may come before or after --options
     setup_logging(top.verbose)
-    from infra.config import ConfigError
-
     try:
         return int(module.run(args) or 0)
     except ConfigError as exc:
         print(f"dreamgym {top.command}: config error: {exc}", file=sys.stderr)
         return 2
+    except ConnectionError as exc:  # infra.streams.RedisUnreachable and kin: a one-line cause, no traceback
+        print(f"dreamgym {top.command}: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print(f"dreamgym {top.command}: interrupted", file=sys.stderr)
         return 130

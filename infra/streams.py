@@ -7,8 +7,20 @@ Owns the delivery guarantees, nothing about what the messages mean:
   restarted consumer with the same name resumes), then new ones;
 - entries are XACKed only when the caller says it has used them;
 - entries idle in a dead consumer's pending list are taken over with XAUTOCLAIM;
-- entries that fail to decode are copied to a dead-letter stream with the reason,
-  then acked, and counted: never dropped silently;
+- entries that fail to decode (schema.SchemaError: corrupt bytes, a foreign version,
+  a NaN reward, mismatched per-token lists ...) are copied to a dead-letter stream
+  with the reason, then acked, and counted: never dropped silently;
+- delivery is bounded: every Delivery carries the times Redis delivered it (the
+  PEL's counter, which XREADGROUP history reads and XAUTOCLAIM raise). A caller whose
+  handler fails calls `nack(deliveries, error)`: the entry is left for redelivery
+  (to any consumer of the group, at its next reclaim) until it has been handled
+  `max_deliveries` times, then it is dead-lettered with the last error and acked. An
+  entry read back with a count above the bound (its consumer crashed on it every time,
+  so no one could nack) is dead-lettered before the caller sees it: a poison message
+  cannot crash-loop a restarted learner or stop a worker. `dead_letter(deliveries,
+  reason)` moves entries the caller can never use at once. Entries a live consumer
+  still holds are not counted again: before each reclaim their idle time is renewed
+  (XCLAIM JUSTID, which leaves the counter alone), so XAUTOCLAIM does not take them;
 - every call retries connection errors with capped exponential backoff, and a
   group lost with a non-persistent Redis is recreated.
 
@@ -23,12 +35,13 @@ import asyncio
 import logging
 import random
 import ssl
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Generic, Iterable, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError, ResponseError, TimeoutError as RedisTimeoutError
 
 from infra import metrics
 from infra.config import redact_url
@@ -38,7 +51,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DATA_FIELD = b"d"
+WORKERS_GROUP = "workers"  # the rollout workers' consumer group on the task stream
+LEARNER_GROUP = "learner"  # the learner's consumer group on the trajectory stream
 RETRYABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+DEFAULT_MAX_DELIVERIES = 5  # the default of infra.max_deliveries
+PARKED_IDLE_MS = 10 ** 9  # idle time given to a nacked entry: the next XAUTOCLAIM takes it
+ERRORS_KEPT = 10_000  # last handler errors remembered for the dead-letter reason
 
 
 def key(prefix: str, name: str) -> str:
@@ -59,13 +77,34 @@ def dead_letter_stream(stream: str) -> str:
 
 
 def connect(url: str, tls_ca: str = "") -> aioredis.Redis:
-    """An async client for `url` (password, ACL user and rediss:// TLS as given)."""
+    """An async client for `url` (password, ACL user and rediss:// TLS as given), verifying the
+    server against the CA bundle `tls_ca` (infra.redis_tls_ca) when one is given. Every Redis
+    client of DreamGym is made here."""
     kwargs: dict[str, Any] = {"socket_connect_timeout": 5, "socket_keepalive": True, "health_check_interval": 15}
     if url.startswith("rediss://") and tls_ca:
         kwargs["ssl_ca_certs"] = tls_ca
         kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
-    log.info("connecting to redis at %s", redact_url(url))
+    elif tls_ca:
+        log.warning("infra.redis_tls_ca is set but %s is not a rediss:// URL: the connection is not encrypted",
+                    redact_url(url))
+    log.debug("connecting to redis at %s", redact_url(url))
     return aioredis.from_url(url, **kwargs)
+
+
+class RedisUnreachable(ConnectionError):
+    """Redis did not answer (refused, timed out, wrong password, TLS): the message names the URL
+    without its password and the cause, in one line; the CLI prints it and exits non-zero."""
+
+
+async def ping(client: aioredis.Redis, url: str, timeout_s: float = 5.0) -> None:
+    """Check once, fast, that `client` reaches its server; raises RedisUnreachable otherwise.
+    Commands and runs call it first, so a wrong URL fails in seconds instead of after the
+    retry deadline of with_retry (which is for a server that was there and went away)."""
+    try:
+        await asyncio.wait_for(client.ping(), timeout_s)
+    except (asyncio.TimeoutError, RedisError, OSError) as exc:
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else "no answer"
+        raise RedisUnreachable(f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}: {cause})") from None
 
 
 async def with_retry(op: Callable[[], Awaitable[T]], what: str, deadline_s: float = 120.0,
@@ -113,30 +152,47 @@ class StreamProducer:
 
 @dataclass
 class Delivery(Generic[T]):
-    """A decoded entry and the id to ack once it has been used."""
+    """A decoded entry, the id to ack once it has been used, and how often it was delivered."""
 
     entry_id: bytes
     message: T
     reclaimed: bool = False
+    deliveries: int = 1  # times Redis delivered this entry, this delivery included
+    raw: bytes = b""  # the encoded bytes, kept for the dead-letter stream
+
+
+Entry = tuple[bytes, dict, bool, int]  # (entry id, fields, reclaimed, times delivered)
 
 
 class StreamConsumer(Generic[T]):
     """Reads one stream through a consumer group, decoding with `decode`.
 
-    `read()` returns decoded deliveries; the caller acks them with `ack()` after use.
-    Undecodable entries go to `<stream>:dead` with the error and are acked there and then.
+    `read()` returns decoded deliveries; the caller acks them with `ack()` after use, or
+    reports a failure with `nack()`. Undecodable entries, and entries handled
+    `max_deliveries` times without success, go to `<stream>:dead` with the reason and
+    are acked there and then.
     """
 
     def __init__(self, client: aioredis.Redis, stream: str, group: str, consumer: str,
-                 decode: Callable[[bytes], T], reclaim_idle_ms: int = 30_000, reclaim_every: int = 10):
+                 decode: Callable[[bytes], T], reclaim_idle_ms: int = 30_000, reclaim_every: int = 10,
+                 max_deliveries: int = DEFAULT_MAX_DELIVERIES):
+        if max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
         self.decode = decode
         self.reclaim_idle_ms = reclaim_idle_ms
         self.reclaim_every = reclaim_every
+        self.max_deliveries = max_deliveries
         self.dead_letters = dead_letter_stream(stream)
         self._reads = 0
         self._own_pending_done = False
+        self._own_cursor = "0-0"
         self._reclaim_cursor = b"0-0"
+        self._held: set[bytes] = set()  # delivered to the caller, not yet acked, nacked or dead-lettered
+        self._errors: "OrderedDict[bytes, str]" = OrderedDict()  # last nack error per entry
+        for counter in (metrics.STREAM_MESSAGES_READ, metrics.STREAM_MESSAGES_ACKED, metrics.STREAM_MESSAGES_RECLAIMED,
+                        metrics.STREAM_MESSAGES_REDELIVERED, metrics.STREAM_MESSAGES_NACKED):
+            counter.labels(stream)  # a series at 0 from the start: rate() and increase() see the first event
 
     async def ensure_group(self) -> None:
         """Create the group (and the stream) if absent; idempotent."""
@@ -161,27 +217,49 @@ class StreamConsumer(Generic[T]):
 
     async def read(self, count: int = 100, block_ms: int = 1000) -> list[Delivery[T]]:
         """Up to `count` deliveries: own pending first, then reclaimed idle ones, then new."""
-        entries: list[tuple[bytes, dict, bool]] = []
+        entries: list[Entry] = []
         if not self._own_pending_done:
-            resp = await self._call(lambda: self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: "0"}, count=count), f"XREADGROUP {self.stream}")
-            own = resp[0][1] if resp else []
-            own = [(i, f) for i, f in own if f]  # trimmed entries come back with no fields
-            if len(own) < count:
-                self._own_pending_done = True
-            entries += [(i, f, False) for i, f in own]
+            entries += await self._read_own(count)
         self._reads += 1
         if not entries and (self._reads - 1) % self.reclaim_every == 0:
-            entries += [(i, f, True) for i, f in await self.reclaim(count)]
+            entries += await self._reclaim(count)
         if not entries:
             resp = await self._call(lambda: self.client.xreadgroup(
                 self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms), f"XREADGROUP {self.stream}")
-            entries += [(i, f, False) for i, f in (resp[0][1] if resp else [])]
+            entries += [(i, f, False, 1) for i, f in (resp[0][1] if resp else [])]  # new: first delivery
         metrics.STREAM_MESSAGES_READ.labels(self.stream).inc(len(entries))
-        return await self._decode_all(entries)
+        return await self._deliver(entries)
 
-    async def reclaim(self, count: int = 100) -> list[tuple[bytes, dict]]:
+    async def _read_own(self, count: int) -> list[Entry]:
+        """The next page of this consumer's pending entries (a restarted consumer resumes them),
+        with their delivery counters, read atomically."""
+        cursor = self._own_cursor
+
+        async def op() -> list:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xpending_range(self.stream, self.group, min=f"({cursor}", max="+", count=count,
+                                consumername=self.consumer)
+            pipe.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=count)
+            return await pipe.execute()
+
+        pending, resp = await self._call(op, f"XREADGROUP {self.stream} (own pending)")
+        own = resp[0][1] if resp else []
+        if len(own) < count:
+            self._own_pending_done = True
+        if own:
+            last = own[-1][0]
+            self._own_cursor = last.decode() if isinstance(last, bytes) else str(last)
+        times = {p["message_id"]: int(p["times_delivered"]) + 1 for p in pending}  # + this read
+        trimmed = [i for i, f in own if not f]
+        if trimmed:  # trimmed by MAXLEN while pending: nothing is left to deliver or dead-letter
+            log.warning("%d pending entries of %s were trimmed before use; acking them", len(trimmed), self.stream)
+            await self.ack(trimmed)
+        return [(i, f, False, times.get(i, 1)) for i, f in own if f]
+
+    async def _reclaim(self, count: int = 100) -> list[Entry]:
         """Take over entries idle longer than reclaim_idle_ms in any consumer's pending list."""
+        await self._renew_leases()
+
         async def op() -> Any:
             return await self.client.xautoclaim(self.stream, self.group, self.consumer,
                                                 min_idle_time=self.reclaim_idle_ms,
@@ -192,35 +270,124 @@ class StreamConsumer(Generic[T]):
         deleted = resp[2] if resp and len(resp) > 2 else []
         if deleted:  # entries trimmed by MAXLEN while pending: nothing left to deliver
             log.warning("%d pending entries of %s were trimmed before reclaim", len(deleted), self.stream)
-        if claimed:
-            metrics.STREAM_MESSAGES_RECLAIMED.labels(self.stream).inc(len(claimed))
-            log.info("reclaimed %d idle entries on %s", len(claimed), self.stream)
-        return claimed
+        if not claimed:
+            return []
+        metrics.STREAM_MESSAGES_RECLAIMED.labels(self.stream).inc(len(claimed))
+        log.info("reclaimed %d idle entries on %s", len(claimed), self.stream)
+        times = await self._delivery_counts([i for i, _ in claimed])
+        return [(i, f, True, times.get(i, 1)) for i, f in claimed]
 
-    async def _decode_all(self, entries: list[tuple[bytes, dict, bool]]) -> list[Delivery[T]]:
+    async def _delivery_counts(self, ids: list[bytes]) -> dict[bytes, int]:
+        async def op() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for i in ids:
+                pipe.xpending_range(self.stream, self.group, min=i, max=i, count=1)
+            return await pipe.execute()
+        rows = await self._call(op, f"XPENDING {self.stream}")
+        return {r[0]["message_id"]: int(r[0]["times_delivered"]) for r in rows if r}
+
+    async def _renew_leases(self) -> None:
+        """Reset the idle time of entries the caller still holds, so XAUTOCLAIM (ours or another
+        consumer's) leaves them alone and their delivery counter is not raised by a non-delivery.
+        Only entries this consumer still owns are touched; ids it no longer owns are forgotten."""
+        if not self._held:
+            return
+        limit = len(self._held) + 100
+
+        async def op() -> list:
+            return await self.client.xpending_range(self.stream, self.group, min="-", max="+", count=limit,
+                                                    consumername=self.consumer)
+        pending = await self._call(op, f"XPENDING {self.stream}")
+        if len(pending) < limit:  # the whole list: held ids missing from it were acked or taken elsewhere
+            self._held.intersection_update(p["message_id"] for p in pending)
+        old = [p["message_id"] for p in pending
+               if p["message_id"] in self._held and p["time_since_delivered"] >= self.reclaim_idle_ms // 2]
+        if old:
+            await self._call(lambda: self.client.xclaim(self.stream, self.group, self.consumer, 0, old, justid=True),
+                             f"XCLAIM {self.stream} (lease)")
+
+    async def _deliver(self, entries: list[Entry]) -> list[Delivery[T]]:
         out: list[Delivery[T]] = []
         dead: list[tuple[bytes, dict, str]] = []
-        for entry_id, fields, reclaimed in entries:
+        redelivered = 0
+        for entry_id, fields, reclaimed, times in entries:
+            if times > self.max_deliveries:  # its consumers died on it every time: no one could nack
+                dead.append((entry_id, fields, self._exhausted(entry_id, times - 1)))
+                continue
             raw = fields.get(DATA_FIELD)
             try:
                 if raw is None:
                     raise SchemaError(f"entry has no {DATA_FIELD!r} field")
-                out.append(Delivery(entry_id, self.decode(raw), reclaimed))
-            except SchemaError as exc:
+                message = self.decode(raw)
+            except Exception as exc:  # decoding is deterministic: retrying the same bytes cannot help
                 dead.append((entry_id, fields, f"{type(exc).__name__}: {exc}"))
+                continue
+            out.append(Delivery(entry_id, message, reclaimed, times, raw))
+            redelivered += times > 1
+        if redelivered:
+            metrics.STREAM_MESSAGES_REDELIVERED.labels(self.stream).inc(redelivered)
+        self._held.update(d.entry_id for d in out)
         if dead:
             await self._dead_letter(dead)
         return out
+
+    def _exhausted(self, entry_id: bytes, handled: int, error: str | None = None) -> str:
+        last = error or self._errors.get(entry_id) or "none reported (its consumer stopped or died while handling it)"
+        return f"MaxDeliveries: handled {handled} times without success (max_deliveries={self.max_deliveries}); " \
+               f"last error: {last}"
+
+    async def nack(self, deliveries: Iterable[Delivery[T]], error: BaseException | str) -> list[Delivery[T]]:
+        """Report that handling these deliveries failed with `error`.
+
+        Each is retried: left pending with a high idle time, so the group's next reclaim
+        (this consumer's or another's) delivers it again, until it has been delivered
+        `max_deliveries` times; then it goes to the dead-letter stream with the error and
+        is acked. Returns the deliveries dead-lettered by this call.
+        """
+        deliveries = list(deliveries)
+        if not deliveries:
+            return []
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        metrics.STREAM_MESSAGES_NACKED.labels(self.stream).inc(len(deliveries))
+        self._held.difference_update(d.entry_id for d in deliveries)
+        spent = [d for d in deliveries if d.deliveries >= self.max_deliveries]
+        retry = [d.entry_id for d in deliveries if d.deliveries < self.max_deliveries]
+        if retry:
+            for i in retry:
+                self._errors[i] = reason
+                self._errors.move_to_end(i)
+            while len(self._errors) > ERRORS_KEPT:
+                self._errors.popitem(last=False)
+            await self._call(lambda: self.client.xclaim(self.stream, self.group, self.consumer, 0, retry,
+                                                        idle=PARKED_IDLE_MS, justid=True), f"XCLAIM {self.stream} (nack)")
+            log.warning("%d entries of %s failed (%s); left for redelivery", len(retry), self.stream, reason)
+        if spent:
+            await self._dead_letter([(d.entry_id, {DATA_FIELD: d.raw}, self._exhausted(d.entry_id, d.deliveries, reason))
+                                     for d in spent])
+        return spent
+
+    async def dead_letter(self, deliveries: Iterable[Delivery[T]], reason: str) -> None:
+        """Move deliveries the caller can never use to the dead-letter stream now, and ack them.
+
+        `reason` reads "Kind: detail"; the part before the first colon labels the
+        dead-letter metric, so keep it to a fixed vocabulary (e.g. "NonFiniteLoss").
+        """
+        deliveries = list(deliveries)
+        if deliveries:
+            await self._dead_letter([(d.entry_id, {DATA_FIELD: d.raw}, reason) for d in deliveries])
 
     async def _dead_letter(self, dead: list[tuple[bytes, dict, str]]) -> None:
         async def op() -> None:
             pipe = self.client.pipeline(transaction=True)
             for entry_id, fields, reason in dead:
-                pipe.xadd(self.dead_letters, {**fields, b"source_id": entry_id, b"error": reason.encode()})
+                pipe.xadd(self.dead_letters, {**fields, b"source_id": entry_id, b"error": reason.encode(),
+                                              b"group": self.group.encode(), b"consumer": self.consumer.encode()})
             pipe.xack(self.stream, self.group, *[d[0] for d in dead])
             await pipe.execute()
         await self._call(op, f"dead-letter {self.stream}")
-        for _, _, reason in dead:
+        for entry_id, _, reason in dead:
+            self._held.discard(entry_id)
+            self._errors.pop(entry_id, None)
             metrics.STREAM_DEAD_LETTERS.labels(self.stream, reason.split(":")[0]).inc()
             log.error("dead-lettered an entry of %s: %s", self.stream, reason)
 
@@ -230,6 +397,10 @@ class StreamConsumer(Generic[T]):
         if not ids:
             return 0
         n = await self._call(lambda: self.client.xack(self.stream, self.group, *ids), f"XACK {self.stream}")
+        self._held.difference_update(ids)
+        if self._errors:
+            for i in ids:
+                self._errors.pop(i, None)
         metrics.STREAM_MESSAGES_ACKED.labels(self.stream).inc(len(ids))
         return int(n)
 
@@ -247,6 +418,18 @@ async def stream_status(client: aioredis.Redis, stream: str) -> dict:
                                "lag": g.get("lag")})
         return {"stream": stream, "length": length, "dead_letters": dead_len, "groups": groups}
     return await with_retry(op, f"status {stream}", deadline_s=10)
+
+
+async def stream_backlog(client: aioredis.Redis, stream: str, group: str = WORKERS_GROUP) -> int:
+    """Entries in `stream` not yet delivered to `group` (all entries when the group does not exist yet)."""
+    async def op() -> int:
+        if not await client.exists(stream):
+            return 0
+        for g in await client.xinfo_groups(stream):
+            if _s(g["name"]) == group:
+                return int(g.get("lag") or 0)
+        return int(await client.xlen(stream))
+    return await with_retry(op, f"backlog {stream}", deadline_s=30)
 
 
 def _s(v: Any) -> str:

@@ -3,7 +3,8 @@
 Owns `<run_dir>/checkpoints/step_<NNNNNN>/state.pt`: the trainable weights (the LoRA
 adapter and value head only, under LoRA), the optimizer, the Python / NumPy / torch
 RNG states, the weight version and update count, the stream position (last acked
-entry id and recently consumed trajectory ids, for dedupe after a restart) and an
+entry id and recently consumed trajectory ids, for dedupe after a restart; the ids
+trained into these weights, the lineage) and an
 `extra` dict any component may fill (the curriculum's state, say). Writes are
 atomic: a temporary directory renamed into place, so a crash mid-save leaves the
 previous checkpoint as `latest`. Only the last `keep` checkpoints stay.
@@ -40,8 +41,9 @@ class TrainState:
     weight_version: int = 0
     updates: int = 0
     last_entry_id: str = ""
-    consumed_ids: list = field(default_factory=list)
+    consumed_ids: list = field(default_factory=list)  # the dedupe memory: trained or set aside
     extra: dict = field(default_factory=dict)
+    lineage: list = field(default_factory=list)  # trajectory ids trained into these weights (last 50k)
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -94,7 +96,7 @@ def save(run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Opt
         "rng": rng_state(),
         "train_state": {"weight_version": state.weight_version, "updates": state.updates,
                         "last_entry_id": state.last_entry_id, "consumed_ids": list(state.consumed_ids),
-                        "extra": state.extra},
+                        "extra": state.extra, "lineage": list(state.lineage)},
     }
     torch.save(payload, tmp / STATE_FILE)
     if final.exists():
@@ -124,4 +126,4 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         set_rng_state(payload["rng"])
     ts = payload["train_state"]
     return TrainState(ts["weight_version"], ts["updates"], ts.get("last_entry_id", ""),
-                      list(ts.get("consumed_ids", [])), dict(ts.get("extra", {})))
+                      list(ts.get("consumed_ids", [])), dict(ts.get("extra", {})), list(ts.get("lineage", [])))

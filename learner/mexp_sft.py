@@ -35,9 +35,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
-from infra.config import SimulatorConfig
+from actors.dataset import offline_settings
+from infra.config import SimulatorConfig, add_config_arguments, config_from_args, section_settings, settings_key
+from infra.engine.models import load_model
+from simulator import prompts
+from simulator.embedder import Embedder
 from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
+from simulator.replay_buffer import EdgeBuffer, seed_buffer
 
 log = logging.getLogger(__name__)
 IGNORE = -100
@@ -120,7 +128,6 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
     curve: list[float] = []
     tokens, t0 = 0, time.monotonic()
     model.train()
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("train-mexp"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
                   TimeRemainingColumn(), disable=not progress) as bar:
@@ -148,11 +155,9 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
 
 
 def prepare_model(base: str, lora_rank: int) -> tuple[Any, Any]:
-    from infra.model_loading import load_model
-
     model, tokenizer = load_model(base or "smollm2")
     if lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # only with LoRA
 
         model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
@@ -172,9 +177,6 @@ def save(model: Any, tokenizer: Any, out_dir: Path) -> Path:
 def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, family: str = "textworld",
             seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """Load the offline data, build examples with retrieval, train, save; returns the report."""
-    from simulator.embedder import Embedder
-    from simulator.replay_buffer import EdgeBuffer, seed_buffer
-
     trajs = load_offline(data_dir, family)
     train_trajs, held_trajs = split_trajectories(trajs, cfg.heldout_frac, data_dir, family)
     model, tokenizer = prepare_model(cfg.checkpoint, cfg.sft_lora_rank)
@@ -211,8 +213,6 @@ def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, fam
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from infra.cli import add_config_arguments
-
     add_config_arguments(p)
     p.add_argument("--family", default="textworld", help="offline dataset family (default: %(default)s)")
     p.add_argument("--out", default="", help="checkpoint directory (default: <run_dir>/mexp)")
@@ -220,11 +220,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from infra.cli import config_from_args
-
     cfg = config_from_args(args)
     out = Path(args.out or Path(cfg.infra.run_dir) / "mexp")
     report = run_sft(cfg.simulator, cfg.infra.data_dir, out, args.family, cfg.infra.seed, not args.no_progress)
@@ -238,3 +233,22 @@ def run(args: argparse.Namespace) -> int:
     Console().print(f"{report['train_examples']} train / {report['heldout_examples']} held-out examples, "
                     f"{report['train_seconds']:.0f} s at {report['tokens_per_second']:.0f} tokens/s")
     return 0
+
+
+# The simulator settings that shape an SFT checkpoint (the rest only matter at inference).
+SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k", "history_window", "state_chars")
+
+
+def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int) -> dict:
+    """What a cached Mexp SFT checkpoint depends on; the driver keys its cache directory by it."""
+    return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT,
+            **section_settings(cfg, SHAPING_FIELDS, prefixes=("sft_",))}
+
+
+def cache_dir(cfg: Any) -> Path:
+    """Where `dreamgym train` keeps (and `dreamgym train-mexp` writes by default) this artifact for the
+    whole config `cfg`: `<data_dir>/mexp/<family>-<key of cache_settings>`."""
+    family = cfg.actors.env_family
+    offline = settings_key(offline_settings(family, cfg.data, cfg.infra.seed))
+    key = settings_key(cache_settings(cfg.simulator, cfg.engines.model, offline, cfg.infra.seed))
+    return Path(cfg.infra.data_dir) / "mexp" / f"{family}-{key}"

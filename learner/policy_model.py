@@ -3,7 +3,9 @@ optional PPO value head, and per-step choice log-probs.
 
 Owns the learner-side model. Log-probs go through `actors.policy.choice_forward` and
 `gather_choice_logprobs`, the very functions behind `choice_logprobs`, so the
-learner and the behaviour policy compute the same number. The reference policy for
+learner and the behaviour policy compute the same number. Steps whose prompts chain
+(a multi-turn trajectory, `actors.policy.pack_prompts`) run as one packed sequence per
+trajectory (`packed_forward`); lone prompts run as one padded batch, identical ones once. The reference policy for
 the KL penalty is the adapter-free base model under LoRA (no second copy) and a
 frozen copy of the initial weights under full fine-tuning (made only if asked for).
 The value head reads the last layer's hidden state at the prompt's last position.
@@ -21,8 +23,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from actors.policy import choice_forward, gather_choice_logprobs
-from infra.model_loading import load_model
+from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
+from infra.engine.models import load_model
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ class PolicyModel(nn.Module):
         self.tokenizer = tokenizer
         self.lora_rank = lora_rank
         if lora_rank > 0:
-            from peft import LoraConfig, get_peft_model
+            from peft import LoraConfig, get_peft_model  # only with LoRA
 
             model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
@@ -52,6 +54,8 @@ class PolicyModel(nn.Module):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
         self._ref: nn.Module | None = None
+        self.last_tokens = 0  # tokens the last forward_choice ran through the model (learner tokens/s)
+        self.share_prefix = True  # packed trajectories of one group run their common first turn once
         self.lm.train()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -61,29 +65,65 @@ class PolicyModel(nn.Module):
                        chosen_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-prob of each chosen label [B], value [B] or None).
 
-        Identical prompts (a GRPO group's first step: same task, same initial state) go
-        through the model once; indexing back keeps the gradient of every copy."""
-        unique = list(dict.fromkeys(prompts))
-        logits, hidden = choice_forward(self.lm, self.tokenizer, unique, want_hidden=self.value_head is not None)
-        if len(unique) < len(prompts):
-            where = {p: i for i, p in enumerate(unique)}
-            index = torch.tensor([where[p] for p in prompts], device=logits.device)
-            logits = logits.index_select(0, index)
-            hidden = hidden.index_select(0, index) if hidden is not None else None
+        Chained prompts (one multi-turn trajectory) run as one packed sequence. Identical
+        lone prompts (a GRPO group's first step: same task, same initial state) go through
+        the model once; indexing back keeps the gradient of every copy. `last_tokens` is
+        the number of tokens this call ran through the model."""
+        logits, hidden, self.last_tokens = self._choice_logits(self.lm, prompts, chosen_ids,
+                                                               self.value_head is not None)
         logp = gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
         values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
         return logp, values
 
+    def _choice_logits(self, lm: nn.Module, prompts: Sequence[str], chosen_ids: Sequence[int],
+                       want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Label-position logits [B, V] (and hidden states) of `prompts`, in their order; tokens run."""
+        segments = pack_prompts(self.tokenizer, prompts, chosen_ids)
+        packed = [s for s in segments if len(s.steps) > 1]
+        lone = [s for s in segments if len(s.steps) == 1]
+        order: list[int] = []
+        parts, hparts = [], []
+        tokens = 0
+        if lone:
+            lone_prompts = [prompts[s.steps[0]] for s in lone]
+            unique = list(dict.fromkeys(lone_prompts))
+            lengths = {prompts[s.steps[0]]: len(s.ids) for s in lone}
+            logits, hidden = choice_forward(lm, self.tokenizer, unique, want_hidden=want_hidden)
+            if len(unique) < len(lone_prompts):
+                where = {p: i for i, p in enumerate(unique)}
+                index = torch.tensor([where[p] for p in lone_prompts], device=logits.device)
+                logits = logits.index_select(0, index)
+                hidden = hidden.index_select(0, index) if hidden is not None else None
+            parts.append(logits)
+            hparts.append(hidden)
+            order += [s.steps[0] for s in lone]
+            tokens += sum(lengths[p] for p in unique)
+        if packed:
+            logits, hidden, n = packed_forward(lm, packed, want_hidden=want_hidden, share_prefix=self.share_prefix)
+            parts.append(logits)
+            hparts.append(hidden)
+            order += [i for s in packed for i in s.steps]
+            tokens += n
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
+        hidden = (torch.cat(hparts) if len(hparts) > 1 else hparts[0]) if want_hidden else None
+        if order != list(range(len(order))):
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(len(order))
+            inverse = inverse.to(logits.device)
+            logits = logits.index_select(0, inverse)
+            hidden = hidden.index_select(0, inverse) if hidden is not None else None
+        return logits, hidden, tokens
+
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
                            chosen_ids: Sequence[int]) -> torch.Tensor:
-        """Log-probs under the reference policy (the initial weights)."""
+        """Log-probs under the reference policy (the initial weights), packed like `forward_choice`."""
         if self.lora_rank > 0:
             with self.lm.disable_adapter():
-                logits, _ = choice_forward(self.lm, self.tokenizer, prompts)
+                logits, _, _ = self._choice_logits(self.lm, prompts, chosen_ids)
         else:
             self.snapshot_reference()
-            logits, _ = choice_forward(self._ref, self.tokenizer, prompts)
+            logits, _, _ = self._choice_logits(self._ref, prompts, chosen_ids)
         return gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
 
     def snapshot_reference(self, force: bool = False) -> None:

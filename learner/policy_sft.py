@@ -1,9 +1,9 @@
 """Supervised warm start of the policy on expert transitions, in choice form.
 
 Owns turning offline expert trajectories (actors/dataset.py) into the exact prompts
-the policy sees at rollout time (actors/policy.py's `build_choice_prompt`, the
+the policy sees at rollout time (actors/policy.py's `choice_turn`, the
 candidates recovered from the abstract state's numbered items, the previous actions
-as history) and a short cross-entropy run on the expert's label. FACTS.md: 2 epochs
+as history, the episode as one chat in multi-turn mode) and a short cross-entropy run on the expert's label. Measured: 2 epochs
 on 128 expert steps took SmolLM2 from 0/9 to 6/9 treasure-hunter games.
 
 Not in the paper (its policies start from instruction-tuned 3-8B models); here a
@@ -17,15 +17,21 @@ import argparse
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+from rich.progress import Progress
 
+from actors.dataset import offline_settings, read_trajectories, trajectories_path
 from actors.envs.base import AbstractState, StateFormatError, candidate_actions
-from actors.policy import MAX_CHOICES, build_choice_prompt
+from actors.policy import MAX_CHAT_CHARS, MAX_CHOICES, PROMPT_FORMAT, PolicyDecision, choice_turn
+from infra.config import LearnerConfig, add_config_arguments, config_from_args, section_settings, settings_key
+from infra.engine.models import load_tokenizer
 from infra.schema import Task, Trajectory
+from learner.policy_model import PolicyModel
 
 log = logging.getLogger(__name__)
 
@@ -50,26 +56,38 @@ def _task_of(traj: Trajectory, state: str) -> Task:
 
 
 def expert_examples(trajectories: Iterable[Trajectory], tokenizer, history_window: int = 3,
-                    only_successful: bool = True) -> list[ChoiceExample]:
-    """One example per valid expert step whose action is among the state's candidates."""
+                    only_successful: bool = True, permutations: int = 1, seed: int = 0, multi_turn: bool = False,
+                    max_chat_chars: int = MAX_CHAT_CHARS) -> list[ChoiceExample]:
+    """One example per valid expert step whose action is among the state's candidates, prompted
+    as the rollout prompts it (`multi_turn`: the expert's earlier choices are the chat's answers),
+    and `permutations - 1` more with the candidate list shuffled (seeded): environments list their
+    admissible actions in a fixed order, so without shuffles a small policy learns the expert's
+    usual letter rather than the action. The chat continues from the unshuffled turn."""
     out: list[ChoiceExample] = []
     skipped = 0
+    rng = random.Random(seed)
     for traj in trajectories:
         if not is_expert(traj) or (only_successful and not traj.success):
             continue
-        history: list[str] = []
+        history: list = []
         for step in traj.steps:
             try:
                 cands = candidate_actions(AbstractState.parse(step.state))[:MAX_CHOICES]
             except StateFormatError:
                 cands = []
             if step.valid and step.action in cands:
-                prompt, labels = build_choice_prompt(tokenizer, _task_of(traj, step.state), step.state, cands,
-                                                     history, history_window)
-                out.append(ChoiceExample(prompt, labels, labels[cands.index(step.action)]))
+                task = _task_of(traj, step.state)
+                orders = [cands] + [rng.sample(cands, len(cands)) for _ in range(permutations - 1)]
+                turns = [choice_turn(tokenizer, task, step.state, order, history, history_window, multi_turn,
+                                     max_chat_chars) for order in orders]
+                for order, turn in zip(orders, turns):
+                    out.append(ChoiceExample(turn.prompt, turn.labels, turn.labels[order.index(step.action)]))
+                index = cands.index(step.action)
+                history.append(PolicyDecision(step.action, index, turns[0].prompt, [turns[0].labels[index]], [0.0],
+                                              turns[0].labels, 0, messages=turns[0].messages))
             else:
                 skipped += 1
-            history.append(step.action)
+                history.append(step.action)
     if skipped:
         log.info("warm start: %d expert steps skipped (action not among the state's items)", skipped)
     return out
@@ -112,12 +130,10 @@ def warm_start(cfg: Any, offline: Iterable[Trajectory], out_dir: str | Path,
     """The driver's entry: warm-start `cfg.engines.model` on the expert trajectories in `offline`
     for cfg.learner.warm_start_steps steps and save a Hugging Face directory at `out_dir`
     (LoRA merged) that engines and the learner load. Returns `out_dir`."""
-    from learner.policy_model import PolicyModel
-
-    from infra.model_loading import load_tokenizer
-
     lc = cfg.learner
-    examples = expert_examples(offline, load_tokenizer(cfg.engines.model))
+    examples = expert_examples(offline, load_tokenizer(cfg.engines.model), permutations=lc.warm_start_permutations,
+                               seed=cfg.infra.seed, multi_turn=cfg.actors.multi_turn,
+                               max_chat_chars=cfg.actors.chat_max_chars)
     if not examples:
         raise ValueError("warm start: no expert transitions in the offline data (collect with policies: [expert, ...])")
     policy = PolicyModel(cfg.engines.model, lora_rank=lc.lora_rank, gradient_checkpointing=lc.gradient_checkpointing)
@@ -134,23 +150,14 @@ def warm_start(cfg: Any, offline: Iterable[Trajectory], out_dir: str | Path,
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from infra.cli import add_config_arguments
-
     add_config_arguments(p)
     p.add_argument("--trajectories", default="", help="offline trajectory file (default: the dataset of actors.env_family)")
-    p.add_argument("--out", default="", help="output model directory (default: <data_dir>/policy-warm/<family>, "
+    p.add_argument("--out", default="", help="output model directory (default: <data_dir>/policy-warm/<family>-<settings key>, "
                                              "the one `dreamgym train` reuses)")
 
 
 def run(args: argparse.Namespace) -> int:
     """`dreamgym warm-start`: the policy warm start alone, with a live loss readout."""
-    import time
-
-    from rich.progress import Progress
-
-    from actors.dataset import read_trajectories, trajectories_path
-    from infra.cli import config_from_args
-
     cfg = config_from_args(args)
     family = cfg.actors.env_family
     src = Path(args.trajectories) if args.trajectories else trajectories_path(cfg.infra.data_dir, family)
@@ -160,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.learner.warm_start_steps <= 0:
         print("learner.warm_start_steps is 0: nothing to do (e.g. add learner.warm_start_steps=32)")
         return 2
-    out = Path(args.out) if args.out else Path(cfg.infra.data_dir) / "policy-warm" / family
+    out = Path(args.out) if args.out else cache_dir(cfg)
     t0 = time.perf_counter()
     with Progress() as progress:
         bar = progress.add_task("policy warm start", total=cfg.learner.warm_start_steps)
@@ -170,3 +177,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {report['steps']} steps on {report['examples']} expert transitions, "
           f"loss {report['first_loss']:.3f} -> {report['last_loss']:.3f} ({time.perf_counter() - t0:.0f} s)")
     return 0
+
+
+def cache_settings(cfg: LearnerConfig, model: str, offline_key: str, seed: int, multi_turn: bool = False) -> dict:
+    """What a cached warm-started policy depends on; the driver keys its cache directory by it."""
+    return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": PROMPT_FORMAT,
+            **({"prompt_mode": "multi_turn"} if multi_turn else {}),
+            **section_settings(cfg, ("lora_rank",), prefixes=("warm_start_",))}
+
+
+def cache_dir(cfg: Any) -> Path:
+    """Where `dreamgym train` keeps (and `dreamgym warm-start` writes by default) this artifact for the
+    whole config `cfg`: `<data_dir>/policy-warm/<family>-<key of cache_settings>`."""
+    family = cfg.actors.env_family
+    offline = settings_key(offline_settings(family, cfg.data, cfg.infra.seed))
+    key = settings_key(cache_settings(cfg.learner, cfg.engines.model, offline, cfg.infra.seed, cfg.actors.multi_turn))
+    return Path(cfg.infra.data_dir) / "policy-warm" / f"{family}-{key}"

@@ -4,6 +4,8 @@ Owns the weights directory of a run: version N lives in `<run_dir>/weights/v<N>`
 (written atomically: a temporary directory renamed into place), the engines are told
 with `EngineClient.update_weights_from_disk(path, N)`, and only the last `keep`
 versions stay on disk (an engine may still be loading the previous one).
+`resolve_model` turns a run directory into its latest published version, so any
+run's weights can be evaluated or served (`dreamgym eval --checkpoint runs/<name>`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
 class WeightSink(Protocol):
-    """What a publisher needs from the engines: contract 1's update call."""
+    """What a publisher needs from the engines: SGLang's `/update_weights_from_disk` call (EngineClient)."""
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None: ...
 
@@ -40,6 +42,24 @@ def published_versions(run_dir: str | Path) -> list[int]:
     if not d.exists():
         return []
     return sorted(int(m.group(1)) for p in d.iterdir() if p.is_dir() and (m := _VERSION_DIR.match(p.name)))
+
+
+def resolve_model(path: str | Path) -> str:
+    """A model directory an engine can serve, from any of: a model name ('smollm2'), a Hugging Face
+    directory, a run directory (its latest published version) or a run's `weights/` directory."""
+    p = Path(path)
+    if not p.exists():
+        if "/" in str(path) or p.suffix:
+            raise FileNotFoundError(f"{path}: no such model or run directory")
+        return str(path)  # a model name the loader knows
+    if (p / "config.json").exists():
+        return str(p)
+    run_dir = p.parent if p.name == "weights" else p
+    versions = published_versions(run_dir)
+    if not versions:
+        raise FileNotFoundError(f"{path}: neither a model directory (no config.json) nor a run with published "
+                                f"weights (no {weights_dir(run_dir)}/v<N>)")
+    return str(version_path(run_dir, versions[-1]))
 
 
 class WeightPublisher:

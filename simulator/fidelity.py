@@ -11,14 +11,22 @@ environment did:
 - done accuracy;
 - next-state agreement: item recall (share of the real state's actionable items that
   the predicted state lists) and token F1 (bag of words over the whole state);
+- a ΔP estimate: item agreement (the recall above) and the total-variation distance
+  between the predicted and the real next state's items, each read as a uniform
+  distribution over its item set (0 = the same items, 1 = disjoint);
 - parse-failure rate: share of steps whose reply was rejected (no retries by default,
-  so this is the per-sample rate). Rejected steps count as wrong in the accuracies
-  and as 0 in the agreement scores; ΔR is over parsed steps only.
+  so this is the per-sample rate). Rejected steps count as wrong in the accuracies,
+  as 0 in the agreement scores and as 1 in the TV distance; ΔR is over parsed steps only.
 
 Each checkpoint is measured in three settings: full, without retrieval and without
 reasoning (the paper's ablations, Table 3). With `--judge-url`, an LLM judge scores
 consistency, informativeness and hallucination 1-5 (paper Fig. 4). Decoding is
 greedy by default so settings differ only in what they change.
+
+`FidelityProbe` is the same measurement live: `dreamgym train` with
+`simulator.fidelity_every` replays a fixed, even spread of held-out real steps through
+the served Mexp every N learner updates, in the background, and exports the summary as
+gauges (`simulator_fidelity_*`, infra/metrics.py).
 """
 
 from __future__ import annotations
@@ -27,32 +35,58 @@ import argparse
 import asyncio
 import json
 import re
+import tempfile
 import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from actors.envs.base import StateFormatError, validate_state
-from infra.config import SimulatorConfig
+from infra import metrics
+from infra.config import SimulatorConfig, add_config_arguments, config_from_args
+from infra.engine.client import EngineClient
+from infra.engine.models import load_tokenizer
+from infra.engine.server import start_embedded_engine
+from simulator.embedder import Embedder
+from simulator.experience_model import ExperienceModel, MexpRejected
 from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
+from simulator.replay_buffer import EdgeBuffer, seed_buffer
 
 VARIANTS = {"full": {}, "no-retrieval": {"retrieval": False}, "no-reasoning": {"reasoning": False}}
 _WORD = re.compile(r"\w+")
 
 
 # ---------------------------------------------------------------- pure metrics
+def _items(state: str) -> set[str] | None:
+    try:
+        return {t.strip().lower() for _, t in validate_state(state).items}
+    except StateFormatError:
+        return None
+
+
 def item_recall(pred: str, real: str) -> float:
     """Share of the real state's item texts that appear among the predicted state's items."""
-    try:
-        real_items = {t.strip().lower() for _, t in validate_state(real).items}
-    except StateFormatError:
-        return 0.0
-    try:
-        pred_items = {t.strip().lower() for _, t in validate_state(pred).items}
-    except StateFormatError:
+    real_items, pred_items = _items(real), _items(pred)
+    if real_items is None or pred_items is None:
         return 0.0
     return len(real_items & pred_items) / len(real_items) if real_items else 1.0
+
+
+def item_tv_distance(pred: str, real: str) -> float:
+    """Total-variation distance between the uniform distributions over the two states' item sets.
+
+    For uniform p on A and q on B, TV = 1 - |A ∩ B| / max(|A|, |B|): 0 for the same items, 1 for
+    disjoint ones (or a state that does not parse). Two states with no items are identical (0)."""
+    a, b = _items(pred), _items(real)
+    if a is None or b is None:
+        return 1.0
+    if not a and not b:
+        return 0.0
+    return 1.0 - len(a & b) / max(len(a), len(b))
 
 
 def token_f1(pred: str, real: str) -> float:
@@ -79,6 +113,7 @@ def summarize(records: list[dict]) -> dict[str, float]:
         "delta_r_max": max(errs) if errs else float("nan"),
         "done_accuracy": sum(1 for r in parsed if r["done"] == r["true_done"]) / n,
         "item_recall": sum(r["item_recall"] for r in records) / n,
+        "item_tv": sum(r.get("item_tv", 1.0) for r in records) / n,
         "token_f1": sum(r["token_f1"] for r in records) / n,
     }
 
@@ -86,8 +121,6 @@ def summarize(records: list[dict]) -> dict[str, float]:
 # ---------------------------------------------------------------- replay
 async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16) -> list[dict]:
     """Teacher-forced replay of `examples` through `mexp` (an ExperienceModel); one record per step."""
-    from simulator.experience_model import MexpRejected
-
     sem = asyncio.Semaphore(concurrency)
 
     async def one(ex: MexpExample) -> dict:
@@ -98,9 +131,10 @@ async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16) 
                 out = await mexp.step(ex.task, ex.history, ex.state, ex.action, ex.episode_id)
             except MexpRejected as exc:
                 return {**rec, "parsed": False, "reason": exc.reasons[-1], "reward": 0.0, "done": False,
-                        "state": "", "item_recall": 0.0, "token_f1": 0.0}
+                        "state": "", "item_recall": 0.0, "item_tv": 1.0, "token_f1": 0.0}
         return {**rec, "parsed": True, "reward": out.reward, "done": out.done, "state": out.next_state,
                 "reasoning": out.reasoning, "item_recall": item_recall(out.next_state, ex.truth.next_state),
+                "item_tv": item_tv_distance(out.next_state, ex.truth.next_state),
                 "token_f1": token_f1(out.next_state, ex.truth.next_state)}
 
     return list(await asyncio.gather(*(one(ex) for ex in examples)))
@@ -146,54 +180,121 @@ async def judge(client: Any, examples: list[MexpExample], records: list[dict], c
     return means
 
 
+def even_spread(examples: list, max_steps: int) -> list:
+    """At most `max_steps` of `examples`, evenly spread (all of them for 0)."""
+    if not max_steps:
+        return examples
+    return examples[::max(1, len(examples) // max_steps)][:max_steps]
+
+
+def export_fidelity(summary: dict, weight_version: int | None = None) -> None:
+    """A fidelity summary as the `simulator_fidelity_*` gauges (nothing when no step was replayed)."""
+    if not summary.get("steps"):
+        return
+    metrics.SIMULATOR_FIDELITY_REWARD_ACCURACY.set(summary["reward_accuracy"])
+    if summary["delta_r_mean"] == summary["delta_r_mean"]:  # NaN when no step parsed: leave the last value
+        metrics.SIMULATOR_FIDELITY_DELTA_R.set(summary["delta_r_mean"])
+    metrics.SIMULATOR_FIDELITY_ITEM_AGREEMENT.set(summary["item_recall"])
+    metrics.SIMULATOR_FIDELITY_ITEM_TV.set(summary["item_tv"])
+    metrics.SIMULATOR_FIDELITY_PROBES.inc()
+    if weight_version is not None:
+        metrics.SIMULATOR_FIDELITY_WEIGHT_VERSION.set(weight_version)
+
+
+class FidelityProbe:
+    """Live fidelity during training: `steps` held-out real steps, replayed teacher-forced through the
+    Mexp behind `client` every `every` learner updates (in the background; one probe at a time).
+
+    Retrieval draws from a private buffer of the TRAIN trajectories, built once, as in `replay_heldout`;
+    the examples are fixed at construction, so successive probes are comparable."""
+
+    def __init__(self, client: Any, cfg: SimulatorConfig, tokenizer: Any, train_trajs: list, held_trajs: list,
+                 embedder: Any, steps: int, every: int):
+        self.every, self.task, self.last = every, None, None
+        self._tmp = tempfile.TemporaryDirectory(prefix="fidelity-probe-")
+        self.buffer = EdgeBuffer(Path(self._tmp.name) / "edge", embedder)
+        seed_buffer(self.buffer, train_trajs)
+        self.examples = even_spread(build_examples(held_trajs, tokenizer, cfg, self.buffer), steps)
+        self.mexp = ExperienceModel(client, self.buffer, cfg, tokenizer)
+
+    async def probe(self, weight_version: int | None = None) -> dict:
+        """Replay the probe's steps now; export and return the summary."""
+        t0 = time.monotonic()
+        summary = summarize(await replay(self.mexp, self.examples))
+        summary["seconds"] = time.monotonic() - t0
+        export_fidelity(summary, weight_version)
+        self.last = summary
+        return summary
+
+    def after_update(self, updates: int, weight_version: int) -> None:
+        """Start a probe in the background when `updates` is a multiple of `every` and none is running."""
+        if self.examples and updates % self.every == 0 and (self.task is None or self.task.done()):
+            self.task = asyncio.create_task(self.probe(weight_version))
+
+    async def wait(self) -> dict | None:
+        """Let a running probe finish (its gauges land); the last summary."""
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
+        return self.last
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self.buffer.close()
+        self._tmp.cleanup()
+
+
+async def replay_heldout(client: Any, cfg: SimulatorConfig, tokenizer: Any, train_trajs: list, held_trajs: list,
+                         embedder: Any, max_steps: int = 0, concurrency: int = 16,
+                         variants: list[str] = ("full",)) -> dict:
+    """Teacher-forced replay of held-out steps through the Mexp behind `client`, in each variant.
+
+    Retrieval draws from a fresh buffer of the TRAIN trajectories only, so no held-out
+    episode grounds its own replay. `max_steps` takes an even spread of the held-out steps,
+    the same in every setting. Returns {variant: {"summary": ..., "records": [...]}}."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fidelity-buffer-") as tmp:
+        buffer = EdgeBuffer(Path(tmp) / "edge", embedder)
+        try:
+            seed_buffer(buffer, train_trajs)
+            for name in variants:
+                vcfg = replace(cfg, **VARIANTS[name])
+                examples = even_spread(build_examples(held_trajs, tokenizer, vcfg, buffer), max_steps)
+                t0 = time.monotonic()
+                records = await replay(ExperienceModel(client, buffer, vcfg, tokenizer), examples, concurrency)
+                summary = summarize(records)
+                summary["seconds"] = time.monotonic() - t0
+                results[name] = {"summary": summary, "records": records, "examples": examples}
+        finally:
+            buffer.close()
+    return results
+
+
 async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held_trajs: list, data_dir: str | Path,
                   variants: list[str], max_steps: int = 0, judge_url: str = "", max_batch_size: int = 16) -> dict:
     """Start an engine serving `checkpoint` (or the base model) and replay held-out steps in each variant."""
-    import tempfile
-
-    from infra.engine_client import EngineClient
-    from infra.engine_server import start_embedded_engine
-    from infra.model_loading import load_tokenizer
-    from simulator.embedder import Embedder
-    from simulator.experience_model import ExperienceModel
-    from simulator.replay_buffer import EdgeBuffer, seed_buffer
-
     model = checkpoint or "smollm2"
     tokenizer = load_tokenizer(model)
     embedder = Embedder(cache_path=Path(data_dir) / ".cache" / "embeddings.sqlite")
     engine = await start_embedded_engine(model=model, max_batch_size=max_batch_size)
-    results: dict[str, Any] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="fidelity-buffer-") as tmp:
-            buffer = EdgeBuffer(Path(tmp) / "edge", embedder)
-            seed_buffer(buffer, train_trajs)
-            # A long timeout: on a shared CPU a batch of long replies can take minutes, and a retry redoes it.
-            async with EngineClient([engine.url], timeout_s=3600.0, max_retries=0) as client:
-                for name in variants:
-                    vcfg = replace(cfg, **VARIANTS[name])
-                    examples = build_examples(held_trajs, tokenizer, vcfg, buffer)
-                    if max_steps:  # an even spread over the held-out steps, the same in every setting
-                        stride = max(1, len(examples) // max_steps)
-                        examples = examples[::stride][:max_steps]
-                    mexp = ExperienceModel(client, buffer, vcfg, tokenizer)
-                    t0 = time.monotonic()
-                    records = await replay(mexp, examples, max_batch_size)
-                    summary = summarize(records)
-                    summary["seconds"] = time.monotonic() - t0
-                    if judge_url:
-                        async with EngineClient([judge_url], role="judge") as jc:
-                            summary.update(await judge(jc, examples, records))
-                    results[name] = {"summary": summary, "records": records}
-            buffer.close()
+        # A long timeout: on a shared CPU a batch of long replies can take minutes, and a retry redoes it.
+        async with EngineClient([engine.url], timeout_s=3600.0, max_retries=0) as client:
+            results = await replay_heldout(client, cfg, tokenizer, train_trajs, held_trajs, embedder, max_steps,
+                                           max_batch_size, variants)
+            if judge_url:
+                async with EngineClient([judge_url], role="judge") as jc:
+                    for r in results.values():
+                        r["summary"].update(await judge(jc, r["examples"], r["records"]))
     finally:
         await engine.stop()
         embedder.close()
+    for r in results.values():
+        r.pop("examples")
     return results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from infra.cli import add_config_arguments
-
     add_config_arguments(p)
     p.add_argument("--family", default="textworld", help="offline dataset family (default: %(default)s)")
     p.add_argument("--checkpoints", default="",
@@ -208,11 +309,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from infra.cli import config_from_args
-
     cfg = config_from_args(args)
     sim = replace(cfg.simulator, temperature=args.temperature, parse_retries=args.retries)
     variants = [v for v in args.variants.split(",") if v]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actors.dataset import TaskSplits, read_trajectories, splits_path, trajectories_path
 from infra.config import SimulatorConfig
 from infra.schema import Task, Trajectory
 from simulator import prompts
@@ -29,8 +30,6 @@ from simulator.replay_buffer import ReplayBuffer, Transition
 
 
 def load_offline(data_dir: str | Path, family: str) -> list[Trajectory]:
-    from actors.dataset import read_trajectories, trajectories_path
-
     path = trajectories_path(data_dir, family)
     if not path.exists():
         raise FileNotFoundError(f"no offline data at {path}; run `dreamgym collect` first")
@@ -46,8 +45,6 @@ def split_trajectories(trajs: list[Trajectory], heldout_frac: float = 0.2, data_
     """(train, held-out) by task, per the module docstring."""
     heldout_ids: set[str] = set()
     if data_dir is not None:
-        from actors.dataset import TaskSplits, splits_path
-
         sp = splits_path(data_dir, family)
         if sp.exists():
             heldout_ids = {t.task_id for t in TaskSplits.load(sp).heldout}

@@ -25,6 +25,8 @@ from typing import Any, Sequence
 from infra.schema import Task
 from simulator.replay_buffer import Transition
 
+# Bump when the prompt or the target format changes: cached Mexp checkpoints are keyed by it.
+PROMPT_FORMAT = 1
 SYSTEM = ("You simulate a text environment. Given the task, the current state and an action, "
           "write the next state as a short description followed by numbered actions like [1] open door. "
           "Reply exactly in the format")

@@ -10,7 +10,7 @@ retrieves itself.
 Two backends behind one Protocol:
 - `EdgeBuffer`: Qdrant Edge, in-process, on disk; `optimize()` builds the HNSW
   index. Only one process can open a store, so in a cluster one owner serves it
-  (infra/cluster/buffer_actor.py) and workers call it in batches.
+  (infra/run/cluster/buffer_actor.py) and workers call it in batches.
 - `QdrantBuffer`: qdrant-client against a Qdrant server (URL + API key), or its
   local mode (`path=`, an exact Python scan, for tests and small stores).
 
@@ -99,7 +99,7 @@ class EdgeBuffer:
 
     def __init__(self, path: str | Path, embedder: Embedder, max_size: int = 200_000, hnsw_m: int = 16,
                  hnsw_ef_construct: int = 100, hnsw_ef: int = 64) -> None:
-        import qdrant_edge as q
+        import qdrant_edge as q  # the configured backend only
 
         self._q = q
         self.path = Path(path)
@@ -212,7 +212,7 @@ class QdrantBuffer:
 
     def __init__(self, embedder: Embedder, url: str = "", api_key: str = "", path: str | Path = "",
                  collection: str = "transitions", max_size: int = 200_000) -> None:
-        from qdrant_client import QdrantClient, models
+        from qdrant_client import QdrantClient, models  # the configured backend only
 
         self._m = models
         self.embedder = embedder

@@ -7,9 +7,10 @@ and ends the episode at `max_steps` (done, `info["truncated"]`).
 
 An action that is not one of the current state's candidates is answered without
 calling Mexp: the unchanged state prefixed with "Invalid action", reward 0,
-`info["valid"] = False`, as a real environment would. `[n]` picks item n.
+`info["valid"] = False`, as a real environment would (and counted the same way,
+`rollout_invalid_actions_total`). `[n]` picks item n.
 A step whose Mexp output is rejected after the retry budget raises
-`MexpRejected` (the rollout worker ends the episode with status `sim_error`), or,
+`MexpRejected` (the episode loop ends the episode with status `sim_error`), or,
 with `on_reject="end"` (for gymnasium tooling, which expects `step` never to
 raise), ends the episode: unchanged state, reward 0, done, `info["sim_error"]`.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.envs.base import AbstractState, StateFormatError, StepResult, candidate_actions, invalid_observation
+from infra.metrics import ROLLOUT_INVALID_ACTIONS
 from infra.schema import Task, new_id
 from simulator.experience_model import ExperienceModel, MexpRejected
 
@@ -83,6 +85,7 @@ class SyntheticEnv:
         self.steps += 1
         truncated = self.steps >= self.max_steps
         if chosen is None:
+            ROLLOUT_INVALID_ACTIONS.labels(env_kind="synthetic").inc()
             self.done = truncated
             obs = invalid_observation(self.state, str(action), "not one of the available actions")
             return StepResult(obs, 0.0, truncated, {**info, "valid": False, "truncated": truncated})

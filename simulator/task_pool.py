@@ -18,14 +18,18 @@ import argparse
 import asyncio
 import json
 import logging
-from pathlib import Path
 from typing import Iterable
 
 import redis.asyncio as aioredis
+from rich.console import Console
+from rich.table import Table
 
 from infra import metrics
+from infra.config import add_config_arguments, config_from_args
+from infra.redis_server import read_job_record
 from infra.schema import SchemaError, Task, decode_as, encode
-from infra.streams import key, with_retry
+from infra.streams import connect, key, ping, with_retry
+from infra.task_stats import TaskStatsStore
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +132,6 @@ class TaskPool:
 # --- `dreamgym tasks` ---
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from infra.cli import add_config_arguments
-
     add_config_arguments(p)
     p.add_argument("--json", action="store_true", help="print the pool as JSON instead of a table")
     p.add_argument("--limit", type=int, default=50, help="most rows in the table (default: %(default)s; 0 = all)")
@@ -141,8 +143,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def pool_report(client: aioredis.Redis, prefix: str) -> dict:
     """The pool with statistics and lineage, plus the run's push counters, as plain data."""
-    from infra.task_stats import TaskStatsStore
-
     pool = TaskPool(client, prefix)
     await pool.load()
     stats = await TaskStatsStore(client, prefix).get_many(sorted(pool.tasks))
@@ -172,8 +172,6 @@ def _sorted_rows(rows: list[dict], how: str) -> list[dict]:
 
 def render_table(report: dict, sort: str = "variance", limit: int = 50):
     """A rich Table of the pool (returned, not printed, so tests can render it)."""
-    from rich.table import Table
-
     share = report["generated_share_pushed"]
     c = report["counters"]
     table = Table(title=f"task pool {report['prefix']}: {report['seeds']} seed + {report['generated']} generated; "
@@ -191,16 +189,10 @@ def render_table(report: dict, sort: str = "variance", limit: int = 50):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from infra.cli import config_from_args
-    from infra.streams import connect
-
     cfg = config_from_args(args)
     url, prefix = cfg.infra.redis_url, args.prefix
-    latest = Path(cfg.infra.run_dir) / "latest.json"  # written by `dreamgym train` (infra/driver.py)
-    if latest.exists() and (not url or not prefix):
-        info = json.loads(latest.read_text())
+    if not url or not prefix:  # the latest `dreamgym train` job (infra/redis_server.py keeps its record)
+        info = read_job_record(cfg.infra.run_dir, with_password=not url)
         url, prefix = url or info.get("redis_url", ""), prefix or info.get("prefix", "")
     prefix = prefix or cfg.infra.stream_prefix
     if not url:
@@ -211,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> dict:
         client = connect(url, cfg.infra.redis_tls_ca)
         try:
+            await ping(client, url)
             return await pool_report(client, prefix)
         finally:
             await client.aclose()

@@ -71,7 +71,7 @@ class Embedder(Protocol):
 
 
 class TextClient(Protocol):
-    """The part of infra/engine_client.EngineClient that Mtask uses."""
+    """The part of infra/engine/client.EngineClient that Mtask uses."""
 
     async def generate(self, prompt: str | None = None, **kw: Any) -> Any: ...
 

@@ -30,6 +30,6 @@ def redis_url(redis_server):
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct, loaded once."""
-    from infra.model_loading import load_model
+    from infra.engine.models import load_model
 
     return load_model("smollm2")

@@ -63,6 +63,19 @@ def test_status_unreachable_exits_nonzero():
     assert out.returncode == 1 and "unreachable" in out.stdout
 
 
+@pytest.mark.parametrize("args", [["tasks"], ["scale", "--workers", "2"],
+                                  ["tasks", "infra.redis_url=redis://:secret@127.0.0.1:1/0"]])
+def test_commands_on_an_unreachable_redis_print_one_line_and_fail(args, tmp_path):
+    """No traceback and no 120 s of retries: one line naming the URL (never its password), exit 3."""
+    url = ["infra.redis_url=redis://127.0.0.1:1/0"] if not any("redis_url" in a for a in args) else []
+    out = _run(*args, *url, f"infra.run_dir={tmp_path}", timeout=60)
+    assert out.returncode == 3, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith(f"dreamgym {args[0]}: cannot reach Redis at redis://") and "127.0.0.1:1" in lines[0]
+    assert "secret" not in out.stderr
+
+
 def test_config_error_names_the_key():
     out = _run("status", "configs/quickstart.yaml", "learner.lr=oops", "--redis-url", "redis://127.0.0.1:1/0")
     assert out.returncode == 2

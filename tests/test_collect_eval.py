@@ -1,49 +1,14 @@
-"""Offline collection and held-out evaluation: the Wilson interval against a brute-force
-reference, trajectory files and task splits round-tripping through the schema, and
-`dreamgym collect` / `dreamgym eval` end to end on tiny real TextWorld games."""
+"""Offline collection and held-out evaluation: trajectory files and task splits round-tripping
+through the schema, and `dreamgym collect` / `dreamgym eval` end to end on tiny real TextWorld games."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
 from actors.dataset import TaskSplits, read_trajectories, splits_path, trajectories_path, write_trajectories
-from actors.evaluate import wilson_interval
 from infra.schema import EnvKind, SchemaError, Status, Step, Task, Trajectory, encode
-
-
-def _wilson_reference(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """The interval's definition, solved by bisection: all p with |p_hat - p| <= z sqrt(p(1-p)/n)."""
-    p_hat = k / n
-
-    def inside(p: float) -> bool:
-        return (p_hat - p) ** 2 <= z * z * p * (1 - p) / n + 1e-15
-
-    def edge(lo: float, hi: float, want_inside_at_hi: bool) -> float:
-        for _ in range(200):
-            mid = (lo + hi) / 2
-            if inside(mid) == want_inside_at_hi:
-                hi = mid
-            else:
-                lo = mid
-        return (lo + hi) / 2
-
-    low = 0.0 if inside(0.0) else edge(0.0, p_hat, True)
-    high = 1.0 if inside(1.0) else edge(p_hat, 1.0, False)
-    return low, high
-
-
-@pytest.mark.parametrize("k,n", [(0, 1), (0, 10), (3, 10), (5, 10), (10, 10), (17, 40), (1, 200)])
-def test_wilson_interval_matches_its_definition(k, n):
-    lo, hi = wilson_interval(k, n)
-    rlo, rhi = _wilson_reference(k, n)
-    assert math.isclose(lo, rlo, abs_tol=1e-9) and math.isclose(hi, rhi, abs_tol=1e-9)
-    assert lo <= k / n <= hi
-    assert wilson_interval(0, 0) == (0.0, 1.0)
-    with pytest.raises(ValueError):
-        wilson_interval(3, 2)
 
 
 def _traj(i: int) -> Trajectory:

@@ -72,3 +72,85 @@ def test_every_setting_has_help():
     for line in text.splitlines():
         if line.startswith("      "):
             assert line.strip(), "a setting without help text"
+
+
+# ----- the issue's probes: each is refused, and the error names the key -----
+@pytest.mark.parametrize("override, fragments", [
+    ("learner.lr=.inf", ["learner.lr", "finite"]),
+    ("learner.lr=.nan", ["learner.lr", "finite"]),
+    ("learner.clip_eps=1e999", ["learner.clip_eps", "finite"]),
+    ("learner.max_grad_norm=-.inf", ["learner.max_grad_norm", "finite"]),
+    ("infra.metrics_port=99999999", ["infra.metrics_port", "99999999", "port"]),
+    ("infra.metrics_port=-1", ["infra.metrics_port", "port"]),
+    ("engines.sglang_port=0", ["engines.sglang_port", "port"]),
+    ("engines.sglang_port=70000", ["engines.sglang_port", "port"]),
+    ("engines.mexp_endpoints=[1, null]", ["engines.mexp_endpoints", "None", "no null or empty"]),
+    ("engines.mexp_endpoints=['']", ["engines.mexp_endpoints", "no null or empty"]),
+    ("engines.policy_endpoints=[http://a:1, null]", ["engines.policy_endpoints", "None"]),
+    ("engines.policy_endpoints=[localhost:30000]", ["engines.policy_endpoints", "http"]),
+    ("engines.mexp_endpoints=['http://[bad']", ["engines.mexp_endpoints"]),
+    ("actors.worker_resources={cpu: -5}", ["actors.worker_resources", "-5", ">= 0"]),
+    ("actors.worker_resources={gpu: .inf}", ["actors.worker_resources", "finite"]),
+    ("actors.worker_resources={gpu: many}", ["actors.worker_resources", "'many'"]),
+    ("infra.stream_prefix=", ["infra.stream_prefix", "non-empty"]),
+    ("infra.stream_prefix='  '", ["infra.stream_prefix", "non-empty"]),
+    ("infra.max_deliveries=0", ["infra.max_deliveries", "> 0"]),
+    ("actors.worker_resources={cpu: 1, cpu: 2}", ["actors.worker_resources", "duplicate key 'cpu'"]),
+])
+def test_issue_probes_are_refused_naming_the_key(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "quickstart.yaml", [override])
+    for frag in fragments:
+        assert frag in str(err.value), str(err.value)
+
+
+def test_good_values_next_to_the_probes_still_load():
+    cfg = load_config(None, ["infra.metrics_port=65535", "engines.sglang_port=1", "actors.worker_resources={cpu: 0.5}",
+                             "engines.policy_endpoints=[https://p.internal:30000]", "infra.max_deliveries=1",
+                             "learner.lr=1e-300"])
+    assert cfg.infra.metrics_port == 65535 and cfg.actors.worker_resources == {"cpu": 0.5}
+    assert cfg.infra.max_deliveries == 1 and load_config(None).infra.max_deliveries == 5
+
+
+@pytest.mark.parametrize("text, key", [
+    ("learner:\n  lr: 1.0e-5\n  lr: 1.0e-3\n", "lr"),
+    ("learner:\n  lr: 1.0e-5\nlearner:\n  clip_eps: 0.1\n", "learner"),
+    ("actors:\n  worker_resources: {cpu: 1, cpu: 2}\n", "cpu"),
+])
+def test_duplicate_yaml_keys_are_refused(tmp_path, text, key):
+    p = tmp_path / "dup.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert f"duplicate key '{key}'" in str(err.value) and "line" in str(err.value)
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+    p = tmp_path / "merge.yaml"
+    p.write_text("actors:\n  <<: {group_size: 2, num_workers: 3}\n  group_size: 5\n")  # local keys override merged ones
+    cfg = load_config(p)
+    assert cfg.actors.group_size == 5 and cfg.actors.num_workers == 3
+
+
+@pytest.mark.parametrize("url, secret", [
+    ("redis://h:6379/0?password=hunter2", "hunter2"),
+    ("rediss://h:6380/0?db=1&password=hunter2&ssl_cert_reqs=required", "hunter2"),
+    ("redis://user:hunter2@h:6379/0", "hunter2"),
+    ("redis://:hunter2@h:6379/0", "hunter2"),
+    ("redis://h/0?auth_token=hunter2", "hunter2"),
+])
+def test_passwords_in_redis_urls_never_reach_config_yaml(url, secret):
+    assert secret not in redact_url(url)
+    text = dump(load_config(None, [f"infra.redis_url={url}"]))
+    assert secret not in text and "***" in text
+    assert "db=1" in redact_url("redis://h/0?db=1&password=x")  # other parameters survive
+
+
+def test_credentials_in_any_url_setting_are_redacted_in_dump():
+    cfg = load_config(None, ["simulator.qdrant_url=https://q:6333?api_key=qsecret",
+                             "data.teacher_endpoint=https://user:tsecret@teacher/v1",
+                             "engines.mexp_endpoints=[http://m:1, 'http://u:esecret@m:2']"])
+    text = dump(cfg)
+    for secret in ("qsecret", "tsecret", "esecret"):
+        assert secret not in text
+    assert "http://m:1" in text  # URLs without credentials are kept as they are

@@ -204,8 +204,8 @@ async def test_run_pushes_batches_with_backpressure(redis_url):
 @pytest.mark.ray
 @pytest.mark.slow
 async def test_scheduler_actor_pushes_batches_and_checkpoints(redis_url):
-    from infra.cluster.runtime import init_ray, shutdown_ray
-    from infra.cluster.scheduler_actor import spawn_scheduler
+    from infra.run.cluster.runtime import init_ray, shutdown_ray
+    from infra.run.cluster.scheduler_actor import spawn_scheduler
 
     import sys
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from actors.rollout_worker import RolloutWorker
-from infra.config import ActorsConfig, LearnerConfig
-from infra.scale import LocalWorkerHandle, WorkerPool
+from infra.config import ActorsConfig, CurriculumConfig, LearnerConfig
+from infra.run.workers import LocalWorkerHandle, WorkerPool
 from infra.schema import Task, Trajectory, decode_as
 from infra.streams import StreamConsumer, connect, trajectories_stream
-from infra.task_sampler import UniformTaskSampler
+from simulator.curriculum import CurriculumScheduler
 from tests.rollout_fakes import LadderEnv, ScriptedPolicy
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
@@ -49,8 +49,8 @@ async def test_tiny_async_run_trains_on_exactly_the_workers_trajectories(redis_u
             p.version = s.version
 
     pool, stop = WorkerPool(spawn), asyncio.Event()
-    sampler = UniformTaskSampler(client, PREFIX, [Task(task_id=f"e{i}", instruction="climb") for i in range(4)],
-                                 batch_size=2, max_backlog=2)
+    sampler = CurriculumScheduler(client, CurriculumConfig(enabled=False, batch_size=2, max_backlog=2), PREFIX,
+                                  [Task(task_id=f"e{i}", instruction="climb") for i in range(4)])
     await pool.scale_to(2)
     feeder = asyncio.create_task(sampler.run(stop))
     stats = await asyncio.wait_for(learner.run(on_update=on_update), 300)
@@ -69,7 +69,7 @@ async def test_tiny_async_run_trains_on_exactly_the_workers_trajectories(redis_u
     assert set(consumed) <= set(produced)
     groups = await client.xinfo_groups(trajectories_stream(PREFIX))
     pending, lag = groups[0]["pending"], groups[0]["lag"]
-    discarded = sum(sum(s.discarded.values()) for s in stats) + sum(learner._discarded.values())
+    discarded = sum(sum(s.discarded.values()) for s in stats) + sum(learner.discarded.values())
     # every stream entry was trained on, discarded (both acked), is held unacked, or was not read yet
     assert len(consumed) + discarded + pending + lag == len(produced)
     await client.aclose()
@@ -77,7 +77,7 @@ async def test_tiny_async_run_trains_on_exactly_the_workers_trajectories(redis_u
 
 async def test_tiny_sync_run_trains_only_on_fresh_trajectories(redis_url, smollm2, tmp_path):
     """--sync: roll out, then train; every trajectory an update uses was played by the current weights."""
-    from infra.phases import train_sync
+    from infra.run.driver import SyncFeed
     from learner.learner import Learner
     from learner.policy_model import PolicyModel
 
@@ -99,10 +99,11 @@ async def test_tiny_sync_run_trains_only_on_fresh_trajectories(redis_url, smollm
             p.version = s.version
 
     pool = WorkerPool(spawn)
-    sampler = UniformTaskSampler(client, PREFIX, [Task(task_id=f"s{i}", instruction="climb") for i in range(4)],
-                                 batch_size=2)
+    sampler = CurriculumScheduler(client, CurriculumConfig(enabled=False, batch_size=2), PREFIX,
+                                  [Task(task_id=f"s{i}", instruction="climb") for i in range(4)])
     await pool.scale_to(2)
-    await asyncio.wait_for(train_sync(learner, sampler, pool, client, PREFIX, on_update), 900)
+    feed = SyncFeed(sampler, learner, pool, client, PREFIX)
+    await asyncio.wait_for(learner.run(on_update=on_update, before_step=feed), 900)
     await pool.stop_all(drain=False)
     assert learner.version == 2
     by_id = {t.trajectory_id: t for t in (decode_as(f[b"d"], Trajectory)

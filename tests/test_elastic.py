@@ -7,12 +7,11 @@ import functools
 
 import pytest
 
-from actors.rollout_worker import WORKER_GROUP
-from infra.config import ActorsConfig
+from infra.config import ActorsConfig, CurriculumConfig
 from infra.schema import Task, Trajectory, decode_as, encode
-from infra.scale import WorkerPool, autoscale_target, desired_key
-from infra.streams import StreamProducer, connect, tasks_stream, trajectories_stream
-from infra.task_sampler import UniformTaskSampler
+from infra.run.workers import WorkerPool, autoscale_target, desired_key
+from infra.streams import WORKERS_GROUP, StreamProducer, connect, tasks_stream, trajectories_stream
+from simulator.curriculum import CurriculumScheduler
 from tests.rollout_fakes import LadderEnv, ScriptedPolicy, slow_scripted_policy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -22,7 +21,7 @@ G = 2
 
 @pytest.fixture(scope="module")
 def ray_local():
-    from infra.cluster.runtime import init_ray, shutdown_ray
+    from infra.run.cluster.runtime import init_ray, shutdown_ray
 
     init_ray(num_cpus=4, memory_bytes=2 * 1024 ** 3, object_store_bytes=128 * 1024 ** 2)
     yield
@@ -30,7 +29,7 @@ def ray_local():
 
 
 def spawn(redis_url, delay_s, wid):
-    from infra.cluster.worker_actor import RayWorkerHandle
+    from infra.run.cluster.worker_actor import RayWorkerHandle
 
     cfg = ActorsConfig(group_size=G, concurrent_episodes=G, max_steps=4)
     return RayWorkerHandle.spawn(wid, redis_url, PREFIX, cfg, ScriptedPolicy, functools.partial(LadderEnv, 3, delay_s),
@@ -60,7 +59,7 @@ async def test_killed_worker_task_is_reclaimed_nothing_lost(redis_url, ray_local
             break
         await asyncio.sleep(0.05)
     doomed.kill()  # mid-episode: its task stays pending under its consumer name
-    pending = await client.xpending(tasks_stream(PREFIX), WORKER_GROUP)
+    pending = await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP)
     assert pending["pending"] >= 1
     rescuer = spawn(redis_url, 0.0, "rescuer")
     await wait_groups(client, 2)
@@ -75,8 +74,8 @@ async def test_killed_worker_task_is_reclaimed_nothing_lost(redis_url, ray_local
 async def test_scale_up_then_down_mid_run_counts_add_up(redis_url, ray_local):
     client = connect(redis_url)
     n_tasks = 12
-    sampler = UniformTaskSampler(client, PREFIX, [Task(task_id=f"s{i}", instruction="climb") for i in range(6)],
-                                 batch_size=2, max_backlog=4, limit=n_tasks)
+    sampler = CurriculumScheduler(client, CurriculumConfig(enabled=False, batch_size=2, max_backlog=4), PREFIX,
+                                  [Task(task_id=f"s{i}", instruction="climb") for i in range(6)], limit=n_tasks)
     pool = WorkerPool(lambda wid: spawn(redis_url, 0.2, wid), drain_timeout_s=30)
     stop = asyncio.Event()
     await pool.scale_to(1)
@@ -127,7 +126,7 @@ def test_scale_command_sets_the_target_the_pool_watches(redis_url):
 
     import redis as sync_redis
 
-    from infra import scale
+    from infra.run import scale
 
     p = argparse.ArgumentParser()
     scale.add_arguments(p)
@@ -139,7 +138,7 @@ def test_scale_command_sets_the_target_the_pool_watches(redis_url):
 
 async def test_autoscaler_reads_the_task_backlog(redis_url):
     from infra.config import Config
-    from infra.phases import autoscaler
+    from infra.run.workers import autoscaler
 
     client = connect(redis_url)
     cfg = Config()
@@ -153,7 +152,7 @@ async def test_autoscaler_reads_the_task_backlog(redis_url):
 
 
 async def test_status_of_a_starting_worker_has_every_counter(redis_url, ray_local):
-    from infra.cluster.worker_actor import RayWorkerHandle
+    from infra.run.cluster.worker_actor import RayWorkerHandle
 
     cfg = ActorsConfig(group_size=G, concurrent_episodes=G, max_steps=4)
     handle = RayWorkerHandle.spawn("slow-start", redis_url, "el-start", cfg, slow_scripted_policy,

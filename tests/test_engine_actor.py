@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.model]
 
 @pytest.fixture(scope="module")
 def ray_runtime():
-    from infra.cluster.runtime import init_ray, shutdown_ray
+    from infra.run.cluster.runtime import init_ray, shutdown_ray
 
     init_ray(num_cpus=2, memory_bytes=2 * 1024 ** 3, object_store_bytes=128 * 1024 ** 2)
     yield
@@ -23,8 +23,8 @@ def ray_runtime():
 async def test_embedded_engine_actor_serves_http(ray_runtime):
     import ray
 
-    from infra.cluster.engine_actor import start_embedded_engine_actor
-    from infra.engine_client import EngineClient
+    from infra.run.cluster.engine_actor import start_embedded_engine_actor
+    from infra.engine.client import EngineClient
 
     actor, url = start_embedded_engine_actor(EngineConfig(max_batch_size=2), num_cpus=1)
     try:
@@ -38,7 +38,7 @@ async def test_embedded_engine_actor_serves_http(ray_runtime):
 
 
 def test_sglang_actor_is_placed_by_its_label():
-    from infra.cluster.engine_actor import sglang_actor_options
+    from infra.run.cluster.engine_actor import sglang_actor_options
 
     cfg = EngineConfig(sglang_tp_size=2, sglang_resource="mexp_gpu")
     assert sglang_actor_options(cfg) == {"num_gpus": 2, "num_cpus": 1, "resources": {"mexp_gpu": 1}}

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from infra.engine_client import EngineClient, EngineError, EngineRequestError
-from infra.engine_server import start_embedded_engine
+from infra.engine.client import EngineClient, EngineError, EngineRequestError
+from infra.engine.server import start_embedded_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -56,7 +56,7 @@ async def test_affinity_balancing_failover_and_recovery(smollm2):
         assert b.batcher.requests_total == before_b + 3
         assert (await client.health()) == {a.url: False, b.url: True}
         # a weight update while A is down reaches B and does not fail the caller
-        from infra.model_loading import resolve
+        from infra.engine.models import resolve
 
         await client.update_weights_from_disk(str(resolve("smollm2")), weight_version=3)
         assert b.batcher.weight_version == 3

@@ -15,6 +15,11 @@ Shapes pinned from SGLang's own source and docs (sgl-project/sglang):
   text|None], ...] per position], "weight_version": str}}`; a list of prompts gets a list.
 - `docs/basic_usage/native_api.md`: `/health` (200, empty), `/get_model_info`
   (`model_path`, `tokenizer_path`, `is_generation`, ...).
+- `python/sglang/srt/utils.py` `add_api_key_middleware` (`--api-key`): every path but
+  `/health*` and `/metrics*` (and OPTIONS) needs `Authorization: Bearer <key>`, else
+  401 `{"error": "Unauthorized"}`. An overloaded server refuses with 429 or 503, with
+  or without Retry-After; on a 429, or a 503 that names a Retry-After, the client waits
+  and tries again rather than failing.
 
 The fake SGLang server below is the only stand-in for SGLang in the project: it checks
 each request strictly against these shapes and answers in exactly SGLang's shape
@@ -28,7 +33,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from infra.engine_client import EngineClient, parse_generate_response
+from infra.engine.client import EngineClient, parse_generate_response
 
 GENERATE_FIELDS = {
     "text": (str, list), "input_ids": list, "sampling_params": (dict, list), "rid": (str, list),
@@ -93,11 +98,29 @@ def check_generate_response(body: dict, return_logprob: bool, token_ids: list[in
     assert isinstance(meta["weight_version"], (str, int))
 
 
-def fake_sglang() -> tuple[web.Application, list]:
-    """Strict SGLang stand-in; records every request body it accepted."""
+def fake_sglang(api_key: str = "", busy: list[tuple[int, str | None]] | None = None) -> tuple[web.Application, list]:
+    """Strict SGLang stand-in; records every request body it accepted.
+
+    `api_key`: required as SGLang's --api-key requires it. `busy`: (status, Retry-After)
+    answers given to the first /generate calls, as an overloaded server gives them.
+    """
     seen: list = []
+    busy = list(busy or [])
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if api_key and not request.path.startswith(("/health", "/metrics")) and request.method != "OPTIONS":
+            if request.headers.get("Authorization") != "Bearer " + api_key:
+                seen.append(("unauthorized", request.path))
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def generate(request: web.Request) -> web.Response:
+        if busy:
+            status, retry_after = busy.pop(0)
+            seen.append(("busy", status))
+            return web.json_response({"error": {"message": "The request queue is full."}}, status=status,
+                                     headers={"Retry-After": retry_after} if retry_after else None)
         body = await request.json()
         try:
             check_generate_request(body)
@@ -132,21 +155,66 @@ def fake_sglang() -> tuple[web.Application, list]:
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
-    app = web.Application()
+    app = web.Application(middlewares=[auth])
     app.add_routes([web.post("/generate", generate), web.post("/update_weights_from_disk", update),
                     web.get("/get_model_info", model_info), web.get("/health", health)])
     return app, seen
 
 
-@pytest.fixture
-async def fake_url():
-    app, seen = fake_sglang()
+async def _serve(app: web.Application) -> tuple[str, web.AppRunner]:
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+    return f"http://127.0.0.1:{runner.addresses[0][1]}", runner
+
+
+@pytest.fixture
+async def fake_url():
+    app, seen = fake_sglang()
+    url, runner = await _serve(app)
+    yield url, seen
     await runner.cleanup()
+
+
+async def test_client_sends_the_api_key_and_waits_out_a_busy_server():
+    import time
+
+    from infra.engine.client import EngineRequestError
+
+    app, seen = fake_sglang(api_key="s3cret", busy=[(429, None), (503, "1")])
+    url, runner = await _serve(app)
+    try:
+        async with EngineClient([url], role="test", max_retries=0, api_key="s3cret") as client:
+            t0 = time.monotonic()
+            res = await client.generate("hi", sampling_params={"max_new_tokens": 2})
+            waited = time.monotonic() - t0
+            assert len(res.output_ids) == 2
+            # 429 without Retry-After (1 s by default), then 503 with Retry-After: 1: waited, never failed
+            assert [k for k, _ in seen] == ["busy", "busy", "generate"] and waited >= 1.9
+            await client.update_weights_from_disk("/ckpt/v1", 1)
+        async with EngineClient([url], role="test", max_retries=0, api_key="wrong") as client:
+            with pytest.raises(EngineRequestError) as err:
+                await client.generate("hi", sampling_params={"max_new_tokens": 2})
+            assert err.value.status == 401 and "Unauthorized" in err.value.message
+            assert await client.health() == {url: True}  # /health needs no key, as in SGLang
+        assert ("unauthorized", "/generate") in seen and ("update", {"model_path": "/ckpt/v1", "load_format": "auto",
+                                                                     "weight_version": "1"}) in seen
+    finally:
+        await runner.cleanup()
+
+
+async def test_client_gives_up_when_retry_after_exceeds_its_timeout():
+    from infra.engine.client import EngineError
+
+    app, seen = fake_sglang(busy=[(429, "30")])
+    url, runner = await _serve(app)
+    try:
+        async with EngineClient([url], role="test", timeout_s=2, max_retries=0) as client:
+            with pytest.raises(EngineError, match="busy"):
+                await client.generate("hi", sampling_params={"max_new_tokens": 2})
+    finally:
+        await runner.cleanup()
 
 
 async def test_client_requests_conform_to_sglang(fake_url):
@@ -174,7 +242,7 @@ def test_parse_accepts_sglang_variants():
         "weight_version": "12", "output_token_logprobs": [[-0.1, 5, "hi"]]}}
     res = parse_generate_response(body)
     assert (res.weight_version, res.finish_reason, res.output_logprobs) == (12, "stop", [-0.1])
-    from infra.engine_client import EngineError
+    from infra.engine.client import EngineError
 
     with pytest.raises(EngineError, match="malformed"):
         parse_generate_response({"text": "no meta"})
@@ -183,7 +251,7 @@ def test_parse_accepts_sglang_variants():
 @pytest.mark.slow
 @pytest.mark.model
 async def test_embedded_server_answers_in_sglang_shape(smollm2):
-    from infra.engine_server import start_embedded_engine
+    from infra.engine.server import start_embedded_engine
 
     handle = await start_embedded_engine(loaded=smollm2, max_batch_size=4)
     try:
@@ -218,7 +286,7 @@ async def test_embedded_server_answers_in_sglang_shape(smollm2):
 
 def test_launcher_flags_are_sglang_server_args():
     from infra.config import EngineConfig
-    from infra.sglang_launcher import build_command
+    from infra.engine.sglang import build_command
 
     cfg = EngineConfig(model="/models/mexp", sglang_tp_size=2, sglang_mem_fraction=0.7, sglang_port=30100,
                        sglang_extra_args=["--enable-deterministic-inference"])
@@ -228,3 +296,7 @@ def test_launcher_flags_are_sglang_server_args():
     assert flags["--model-path"] == "/models/mexp" and flags["--port"] == "30100"
     assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.7" and flags["--dtype"] == "float32"
     assert cmd[-1] == "--enable-deterministic-inference"
+    assert flags["--host"] == "127.0.0.1" and "--api-key" not in cmd  # loopback and no key by default
+    cmd = build_command(EngineConfig(model="/m", host="0.0.0.0", api_key="k"), python="python")
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--host"] == "0.0.0.0" and flags["--api-key"] == "k"

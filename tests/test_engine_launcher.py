@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from infra.config import EngineConfig
-from infra.sglang_launcher import ProcessSupervisor, SGLangLauncher, sglang_available
+from infra.engine.sglang import ProcessSupervisor, SGLangLauncher, sglang_available
 
 STANDIN = r"""
 import http.server, sys

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from infra.engine_sampling import nucleus, sample_tokens
+from infra.engine.sampling import nucleus, sample_tokens
 
 
 def reference_nucleus(probs: list[float], top_p: float) -> dict[int, float]:

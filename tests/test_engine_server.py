@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 import torch
 
-from infra.engine_client import EngineClient
-from infra.engine_server import start_embedded_engine
+from infra.engine.client import EngineClient
+from infra.engine.server import start_embedded_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -23,8 +23,9 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-async def engine(smollm2):
-    handle = await start_embedded_engine(loaded=smollm2, max_batch_size=8)
+async def engine(smollm2, tmp_path_factory):
+    handle = await start_embedded_engine(loaded=smollm2, max_batch_size=8,
+                                         weights_roots=[str(tmp_path_factory.getbasetemp())])
     yield handle
     await handle.stop()
 
@@ -124,6 +125,14 @@ BAD_REQUESTS = [
     ("too long", {"text": "hi", "sampling_params": {"max_new_tokens": 10 ** 6}}),
     ("stream", {"text": "hi", "stream": True}),
     ("bad logprob ids", {"text": "hi", "token_ids_logprob": ["a"]}),
+    ("NaN temperature", b'{"text": "hi", "sampling_params": {"temperature": NaN}}'),
+    ("inf temperature", b'{"text": "hi", "sampling_params": {"temperature": Infinity}}'),
+    ("NaN top_p", b'{"text": "hi", "sampling_params": {"top_p": NaN}}'),
+    ("NaN penalty", b'{"text": "hi", "sampling_params": {"repetition_penalty": NaN}}'),
+    ("negative seed", {"text": "hi", "sampling_params": {"sampling_seed": -1}}),
+    ("huge seed", {"text": "hi", "sampling_params": {"sampling_seed": 2 ** 64}}),
+    ("bool ids", {"input_ids": [True, 2]}),
+    ("too many prompts", {"text": ["hi"] * 257}),
 ]
 
 
@@ -137,11 +146,37 @@ async def test_malformed_requests_get_4xx_with_a_message(engine, name, body):
     assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
 
 
+BAD_CHATS = [[{"role": "hacker", "content": "hi"}], [{"role": "user", "content": ["hi"]}], [{"role": "user"}], []]
+
+
+@pytest.mark.parametrize("messages", BAD_CHATS, ids=["role", "content list", "no content", "empty"])
+async def test_chat_roles_and_content_are_checked(engine, messages):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(engine.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}) as r:
+            payload = await r.json()
+    assert r.status == 400 and "messages" in payload["error"]["message"]
+
+
+async def test_tiny_temperature_is_greedy(client):
+    greedy = await client.generate(PROMPTS[0], sampling_params=GREEDY)
+    tiny = await client.generate(PROMPTS[0], sampling_params={**GREEDY, "temperature": 1e-45})
+    assert tiny.output_ids == greedy.output_ids  # below 1e-5 is greedy, as in SGLang (not inf logits)
+
+
 async def test_bad_weight_update_is_4xx_and_keeps_serving(engine, client, tmp_path):
     async with aiohttp.ClientSession() as s:
         async with s.post(engine.url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")}) as r:
             body = await r.json()
-    assert r.status == 400 and body["success"] is False and "nope" in body["message"]
+        assert r.status == 400 and body["success"] is False and "nope" in body["message"]
+        # outside the allowed roots: refused before anything is read, even through a symlink
+        (tmp_path / "link").symlink_to("/etc")
+        for path in ("/etc", str(tmp_path / "link"), str(tmp_path / ".." / ".." / ".." / "etc")):
+            async with s.post(engine.url + "/update_weights_from_disk", json={"model_path": path}) as r:
+                body = await r.json()
+            if path.endswith("link"):
+                assert r.status == 403, path
+            else:
+                assert r.status == 403 and body["success"] is False and "weights_root" in body["message"], path
     assert (await client.generate("Hi", sampling_params={"max_new_tokens": 2})).weight_version == 0
 
 
@@ -193,7 +228,7 @@ async def test_weight_reload_changes_outputs_and_bumps_version(smollm2, tmp_path
     copy.save_pretrained(tmp_path / "ckpt")  # weights and config only, as a learner checkpoint may be
     del copy
 
-    handle = await start_embedded_engine(loaded=smollm2, max_batch_size=4)
+    handle = await start_embedded_engine(loaded=smollm2, max_batch_size=4, weights_roots=[str(tmp_path)])
     try:
         async with EngineClient([handle.url], role="test") as client:
             before = await client.generate(PROMPTS[0], sampling_params=GREEDY)

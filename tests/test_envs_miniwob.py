@@ -12,7 +12,8 @@ import pytest
 from actors.envs.base import INVALID_PREFIX, validate_state
 from actors.envs.expert import make_chooser
 from actors.envs.miniwob_env import Item, MiniWoBEnv, dom_rationale, expert_action, page_items, render_page
-from actors.evaluate import run_episode, summarize
+from actors.episode import run_episode
+from actors.evaluate import summarize
 from infra.schema import Task
 
 

@@ -50,7 +50,7 @@ class ScriptedClient:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from infra.model_loading import load_tokenizer
+    from infra.engine.models import load_tokenizer
 
     return load_tokenizer()
 
@@ -148,8 +148,8 @@ async def test_initial_state_invented_when_the_task_has_none(tokenizer):
 @pytest.mark.slow
 @pytest.mark.model
 async def test_real_engine_step_is_parsed_or_rejected_and_counted(smollm2, buffer):
-    from infra.engine_client import EngineClient
-    from infra.engine_server import start_embedded_engine
+    from infra.engine.client import EngineClient
+    from infra.engine.server import start_embedded_engine
 
     model, tok = smollm2
     engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=4)
@@ -173,7 +173,7 @@ class _EngineThread:
     """The embedded engine on its own event loop, for synchronous (gymnasium) callers."""
 
     def __init__(self, loaded):
-        from infra.engine_server import start_embedded_engine
+        from infra.engine.server import start_embedded_engine
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -194,7 +194,7 @@ def test_synthetic_env_passes_gymnasium_checker(smollm2):
     from gymnasium.utils.env_checker import check_env
 
     from actors.envs.gym_wrapper import DreamGymTextEnv
-    from infra.engine_client import EngineClient
+    from infra.engine.client import EngineClient
 
     model, tok = smollm2
     server = _EngineThread((model, tok))

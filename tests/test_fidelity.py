@@ -6,7 +6,9 @@ import pytest
 
 from infra.config import SimulatorConfig
 from infra.schema import Step, Task, Trajectory
-from simulator.fidelity import item_recall, judge, judge_scores, replay, summarize, token_f1
+from infra import metrics
+from simulator.fidelity import (FidelityProbe, item_recall, item_tv_distance, judge, judge_scores, replay, summarize,
+                                token_f1)
 from simulator.mexp_data import build_examples
 
 REAL = "Goal: g\nRoom: Hall.\nActions:\n[1] go north\n[2] open door\n[3] take key"
@@ -40,6 +42,28 @@ def test_item_recall():
     assert item_recall("no items", REAL) == 0.0
 
 
+def _slow_tv(pred: str, real: str) -> float:
+    """0.5 * sum |p(x) - q(x)| over the union, p and q uniform over each state's item texts."""
+    import re
+
+    def items(s: str) -> list[str]:
+        return sorted({m.strip().lower() for m in re.findall(r"^\[\d+\]\s*(.+)$", s, re.M)})
+    a, b = items(pred), items(real)
+    if not a or not b:
+        return 0.0 if not a and not b else 1.0
+    return 0.5 * sum(abs((x in a) / len(a) - (x in b) / len(b)) for x in set(a) | set(b))
+
+
+@pytest.mark.parametrize("pred", [REAL, "Room: x\n[4] take key\n[9] Go North", "Room: x\n[1] jump",
+                                  "Room: x\nActions:\n[1] go north\n[2] open door\n[3] take key\n[4] eat apple"])
+def test_item_tv_distance_matches_reference(pred):
+    assert item_tv_distance(pred, REAL) == pytest.approx(_slow_tv(pred, REAL))
+
+
+def test_item_tv_distance_of_unparseable_state_is_one():
+    assert item_tv_distance("no items", REAL) == 1.0
+
+
 def test_summarize_counts_rejections_as_wrong():
     recs = [dict(parsed=True, reward=1.0, true_reward=1.0, done=True, true_done=True, item_recall=1.0, token_f1=1.0),
             dict(parsed=True, reward=0.0, true_reward=1.0, done=False, true_done=True, item_recall=0.5, token_f1=0.5),
@@ -53,7 +77,7 @@ def test_summarize_counts_rejections_as_wrong():
 
 @pytest.mark.slow
 async def test_replay_is_teacher_forced():
-    from infra.model_loading import load_tokenizer
+    from infra.engine.models import load_tokenizer
     from simulator.experience_model import ExperienceModel
     from tests.test_experience_model import ScriptedClient
 
@@ -71,6 +95,40 @@ async def test_replay_is_teacher_forced():
     assert not records[1]["parsed"] and records[1]["true_done"] is True
     assert "Previous actions: go north" in client.prompts[1]  # the real history, not Mexp's
     assert "Room: North." in client.prompts[1]  # the real state, teacher-forced
+    assert records[0]["item_tv"] == 0.0 and records[1]["item_tv"] == 1.0
+
+
+class _NoEmbedder:
+    """The probe's private buffer with nothing to embed (retrieval off)."""
+
+    def embed(self, texts):
+        return [[0.0] * 384 for _ in texts]
+
+
+@pytest.mark.slow
+async def test_live_probe_exports_gauges_every_n_updates(tmp_path):
+    from infra.engine.models import load_tokenizer
+    from tests.test_experience_model import ScriptedClient
+
+    nxt = "Goal: g\nRoom: North.\nActions:\n[1] go south"
+    traj = Trajectory("t", "g", task=Task("t", "g"), steps=[
+        Step(state=REAL, action="go north", next_state=nxt, reasoning="moved", reward=1.0, done=True)])
+    reply = "moved</think><state>\nRoom: North.\nActions:\n[1] go south\n</state><reward>1</reward><done>true"
+    probe = FidelityProbe(ScriptedClient([reply] * 4), SimulatorConfig(retrieval=False, parse_retries=0),
+                          load_tokenizer(), [], [traj], _NoEmbedder(), steps=4, every=2)
+    try:
+        before = metrics.SIMULATOR_FIDELITY_PROBES._value.get()
+        probe.after_update(1, 1)  # not a multiple of `every`
+        assert probe.task is None
+        probe.after_update(2, 2)
+        s = await probe.wait()
+        assert s["steps"] == 1 and s["reward_accuracy"] == 1.0 and s["item_tv"] == 0.0
+        assert metrics.SIMULATOR_FIDELITY_PROBES._value.get() == before + 1
+        assert metrics.SIMULATOR_FIDELITY_REWARD_ACCURACY._value.get() == 1.0
+        assert metrics.SIMULATOR_FIDELITY_ITEM_TV._value.get() == 0.0
+        assert metrics.SIMULATOR_FIDELITY_WEIGHT_VERSION._value.get() == 2
+    finally:
+        probe.close()
 
 
 @pytest.mark.parametrize("reply,expected", [

@@ -178,6 +178,13 @@ async def test_warm_start_raises_expert_choice_probability(smollm2, tmp_path):
     assert len(examples) == 2  # only the successful expert's steps
     assert examples[0].target == expert.steps[0].action_token_ids[0]
     assert examples[0].prompt == expert.steps[0].policy_prompt  # the very prompt a worker would build
+    shuffled = expert_examples([expert], tok, permutations=3, seed=1)
+    assert len(shuffled) == 3 * 2 and shuffled[0].prompt == examples[0].prompt
+    for ex, step in zip(shuffled, [s for s in expert.steps for _ in range(3)]):
+        letter = tok.decode([ex.target]).strip()
+        line = next(ln for ln in ex.prompt.splitlines() if ln.startswith(f"{letter}) "))
+        assert step.action in line  # the target follows the action, wherever the shuffle put it
+    assert len({ex.prompt for ex in shuffled[:3]}) > 1
 
     def mean_logp():
         with torch.no_grad():
@@ -192,7 +199,7 @@ async def test_warm_start_raises_expert_choice_probability(smollm2, tmp_path):
 
 def test_warm_start_driver_entry_writes_a_loadable_model(smollm2, tmp_path):
     from infra.config import Config
-    from infra.model_loading import load_model
+    from infra.engine.models import load_model
     from learner.policy_sft import warm_start
 
     model, tok = smollm2

@@ -26,7 +26,7 @@ def data_dir(tmp_path_factory):
 
 
 def test_examples_are_the_inference_prompt_and_a_parseable_target(data_dir):
-    from infra.model_loading import load_tokenizer
+    from infra.engine.models import load_tokenizer
 
     tok = load_tokenizer()
     trajs = load_offline(data_dir, "textworld")
@@ -65,11 +65,11 @@ async def test_short_sft_lowers_heldout_loss_and_checkpoint_serves(data_dir, smo
     assert (ckpt / "config.json").exists() and (ckpt / "tokenizer_config.json").exists()
     assert not (ckpt / "adapter_config.json").exists()  # LoRA merged: a plain HF model
 
-    from infra.engine_client import EngineClient
-    from infra.engine_server import start_embedded_engine
+    from infra.engine.client import EngineClient
+    from infra.engine.server import start_embedded_engine
 
     model, tok = smollm2
-    engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=2)
+    engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=2, weights_roots=[str(tmp_path)])
     try:
         async with EngineClient([engine.url]) as client:
             await client.update_weights_from_disk(str(ckpt), 1)

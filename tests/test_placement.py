@@ -14,7 +14,7 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from infra.cluster.runtime import shutdown_ray
+    from infra.run.cluster.runtime import shutdown_ray
 
     shutdown_ray()  # another module's local runtime, if any
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "memory": 512 * MB,
@@ -35,7 +35,7 @@ def cluster():
 def test_each_role_lands_on_its_labelled_node(cluster):
     import ray
 
-    from infra.cluster.runtime import node_of_actor, placement_options
+    from infra.run.cluster.runtime import node_of_actor, placement_options
 
     _c, node_ids = cluster
 
@@ -56,7 +56,7 @@ def test_each_role_lands_on_its_labelled_node(cluster):
 
 
 def test_missing_label_is_not_required_and_override_wins(cluster):
-    from infra.cluster.runtime import placement_options
+    from infra.run.cluster.runtime import placement_options
 
     assert placement_options("mexp", {"CPU": 2}) == {"num_cpus": 0.5}
     assert placement_options("rollout", {"rollout_cpu": 4}) == {"num_cpus": 0.5, "resources": {"rollout_cpu": 1}}

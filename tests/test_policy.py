@@ -31,7 +31,7 @@ STATES = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from infra.model_loading import load_tokenizer
+    from infra.engine.models import load_tokenizer
 
     return load_tokenizer("smollm2")
 
@@ -99,7 +99,7 @@ class _NoLogprobEngine:
     """An engine answer without token_ids_logprobs (e.g. a server that ignores the parameter)."""
 
     async def generate(self, prompt, **kw):
-        from infra.engine_client import GenerateResult
+        from infra.engine.client import GenerateResult
 
         return GenerateResult("a", [81], [-0.1], None, 0, "length", 10, {})
 
@@ -112,13 +112,13 @@ async def test_engine_without_label_logprobs_is_a_typed_error(tok):
 @pytest.mark.slow
 @pytest.mark.model
 async def test_engine_logprob_equals_learner_recompute_and_weights_publish(smollm2, tmp_path):
-    from infra.engine_client import EngineClient
-    from infra.engine_server import start_embedded_engine
+    from infra.engine.client import EngineClient
+    from infra.engine.server import start_embedded_engine
     from learner.policy_model import PolicyModel
     from learner.weights import WeightPublisher
 
     model, tok = smollm2
-    engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=8)
+    engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=8, weights_roots=[str(tmp_path)])
     try:
         async with EngineClient([engine.url], role="policy") as client:
             policy = ChoicePolicy(client, tok, temperature=1.0, seed=0)

@@ -129,7 +129,7 @@ def test_buffer_actor_serves_workers(tmp_path):
 
     import ray
 
-    from infra.cluster.buffer_actor import BufferActor, BufferClient
+    from infra.run.cluster.buffer_actor import BufferActor, BufferClient
 
     ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     try:

@@ -2,7 +2,7 @@
 
 A real Redis, a real embedded engine serving SmolLM2 over HTTP, real TextWorld games,
 a real Qdrant Edge store opened by the buffer actor. Checks that a worker actor builds
-its policy and environments from the fleet's factories and delivers a full group, and
+its policy and environments from the fleet's recipe and delivers a full group, and
 that the buffer actor serves retrieval and write-back for the store the driver seeded.
 """
 
@@ -23,7 +23,7 @@ PREFIX = "fleet"
 
 @pytest.fixture(scope="module")
 def ray_local():
-    from infra.cluster.runtime import init_ray, shutdown_ray
+    from infra.run.cluster.runtime import init_ray, shutdown_ray
 
     init_ray(num_cpus=2, memory_bytes=2 * 1024 ** 3, object_store_bytes=128 * 1024 ** 2)
     yield
@@ -32,7 +32,7 @@ def ray_local():
 
 @pytest.fixture
 async def engine(smollm2):
-    from infra.engine_server import start_embedded_engine
+    from infra.engine.server import start_embedded_engine
 
     handle = await start_embedded_engine(loaded=smollm2, max_batch_size=4)
     yield handle
@@ -47,7 +47,7 @@ def _transition(i: int, episode: str = "seed") -> Transition:
 
 async def test_worker_actor_plays_a_real_group_through_the_engine(redis_url, ray_local, engine, tmp_path):
     from actors.envs.textworld_env import make_textworld_tasks
-    from infra.cluster.rollout_fleet import RolloutFleet
+    from infra.run.cluster.rollout_fleet import RolloutFleet
 
     splits = make_textworld_tasks(tmp_path, 1, 0, ["tw-simple"], seed=3)
     cfg = load_config(None, ["actors.runtime=ray", "actors.env_kind=real", "actors.group_size=2",
@@ -79,8 +79,8 @@ async def test_worker_actor_plays_a_real_group_through_the_engine(redis_url, ray
 
 async def test_buffer_actor_serves_retrieval_and_write_back_then_hands_the_store_back(redis_url, ray_local,
                                                                                       engine, tmp_path):
-    from infra.cluster.buffer_actor import BufferClient
-    from infra.cluster.rollout_fleet import EnvFactory, RolloutFleet
+    from infra.run.cluster.buffer_actor import BufferClient
+    from infra.run.cluster.rollout_fleet import ActorRecipe, RolloutFleet
     from simulator.embedder import Embedder
 
     store = tmp_path / "buffer"
@@ -90,7 +90,7 @@ async def test_buffer_actor_serves_retrieval_and_write_back_then_hands_the_store
     fleet = RolloutFleet(cfg, redis_url, PREFIX, [engine.url], [engine.url], seeded, store, tmp_path / "emb.sqlite")
     try:
         assert fleet.buffer_actor is not None and fleet.buffer_size() == 5
-        env = EnvFactory(cfg, [engine.url], fleet.buffer_actor)()  # what a worker actor builds
+        env = ActorRecipe(cfg, "w0", [engine.url], [engine.url], fleet.buffer_actor).env()  # what a worker actor builds
         hits = await env.mexp.retrieve(_transition(2).state, "open locker", episode_id="seed-2")
         assert len(hits) == 2 and all(isinstance(h, Transition) for h in hits)
         assert "seed-2" not in {h.episode_id for h in hits}  # the querying episode never retrieves itself

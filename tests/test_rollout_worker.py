@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from actors.rollout_worker import WORKER_GROUP, RolloutWorker
+from actors.rollout_worker import RolloutWorker
 from infra.config import ActorsConfig
 from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode
-from infra.streams import StreamProducer, connect, tasks_stream, trajectories_stream
+from infra.streams import WORKERS_GROUP, StreamProducer, connect, tasks_stream, trajectories_stream
 from infra.task_stats import TaskStatsStore
 from tests.rollout_fakes import LadderEnv, ScriptedPolicy
 
@@ -76,7 +76,7 @@ async def test_worker_pushes_records_writes_back_and_acks(redis_url):
     if sink is not None:
         assert len(sink.items) == sum(len(t.steps) for t in trajs)
         assert {x.source for x in sink.items} == {"synthetic"}
-    pending = await client.xpending(tasks_stream(PREFIX), WORKER_GROUP)
+    pending = await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP)
     assert pending["pending"] == 0
     await client.aclose()
 
@@ -91,13 +91,13 @@ async def test_stop_without_drain_hands_task_back_and_another_worker_finishes_it
     await slow.stop(drain=False)
     await run
     assert await read_trajs(client) == []
-    pending = await client.xpending(tasks_stream(PREFIX), WORKER_GROUP)
+    pending = await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP)
     assert pending["pending"] == 1  # not acked: handed back
     fresh = make_worker(client, wid="fresh")
     await asyncio.wait_for(fresh.run(max_groups=1), 30)
     trajs = await read_trajs(client)
     assert len(trajs) == 3 and {t.worker_id for t in trajs} == {"fresh"}
-    assert (await client.xpending(tasks_stream(PREFIX), WORKER_GROUP))["pending"] == 0
+    assert (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0
     await client.aclose()
 
 
@@ -132,7 +132,7 @@ async def test_group_already_pushed_is_only_acked(redis_url):
     await b.consumer.ensure_group()
     job = asyncio.create_task(b._task_loop(None))
     for _ in range(50):
-        if (await client.xpending(tasks_stream(PREFIX), WORKER_GROUP))["pending"] == 0:
+        if (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0:
             break
         await asyncio.sleep(0.1)
     b._stopping.set()
@@ -160,4 +160,40 @@ async def test_failing_group_is_handed_back_and_worker_keeps_serving(redis_url):
     healthy = make_worker(client, wid="healthy")
     await asyncio.wait_for(healthy.run(max_groups=1), 30)
     assert len(await read_trajs(client)) == 3
+    await client.aclose()
+
+
+class PoisonTaskPolicy(ScriptedPolicy):
+    """Fails every episode of one task (as an engine that rejects its prompt would), plays the others."""
+
+    async def act(self, task, state, candidates, history, affinity_key):
+        if task.task_id == "task0":
+            raise RuntimeError("engine rejected the prompt")
+        return await super().act(task, state, candidates, history, affinity_key)
+
+
+async def test_a_task_that_always_fails_is_nacked_then_dead_lettered_and_others_are_served(redis_url):
+    """Bounded redelivery on the task stream: `max_deliveries` failed groups, then `<tasks>:dead` with
+    the error; the worker keeps serving the healthy task meanwhile."""
+    client = connect(redis_url)
+    await push_tasks(client, 2)
+    c = ActorsConfig(group_size=2, concurrent_episodes=2, max_steps=3)
+    worker = RolloutWorker("w", client, PREFIX, PoisonTaskPolicy(), lambda: LadderEnv(2), c, reclaim_idle_ms=300,
+                           max_deliveries=3)
+    worker.consumer.reclaim_every = 1
+    run = asyncio.create_task(worker.run())
+    dead_stream = f"{tasks_stream(PREFIX)}:dead"
+    for _ in range(200):
+        if await client.xlen(dead_stream) and worker.groups_done:
+            break
+        await asyncio.sleep(0.1)
+    await worker.stop(drain=True)
+    await run
+    dead = await client.xrange(dead_stream)
+    assert len(dead) == 1 and decode_as(dead[0][1][b"d"], Task).task_id == "task0"
+    reason = dead[0][1][b"error"].decode()
+    assert reason.startswith("MaxDeliveries: handled 3 times") and "engine rejected the prompt" in reason
+    assert worker.groups_failed == 3 and worker.tasks_dead_lettered == 1 and worker.groups_done == 1
+    assert {t.task_id for t in await read_trajs(client)} == {"task1"}
+    assert (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0
     await client.aclose()

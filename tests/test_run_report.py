@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from infra.run_report import PLOTS, RunHistory, results_table, write_plots, write_summary
+from infra.run.report import PLOTS, RunHistory, results_table, write_plots, write_summary
 
 
 def test_plots_summary_and_table(tmp_path):
@@ -24,3 +24,26 @@ def test_plots_summary_and_table(tmp_path):
 
 def test_empty_history_still_draws(tmp_path):
     assert len(write_plots(RunHistory(), tmp_path)) == len(PLOTS)
+
+
+def test_dreamgym_report_redraws_plots_and_markdown_of_a_finished_run(tmp_path, capsys):
+    from infra.cli import main
+
+    h = RunHistory()
+    for v in range(1, 3):
+        h.record(phase="DreamGym", version=v, loss=0.5 / v, kl=0.01, mean_reward=0.5, success_rate=0.5, staleness=0.0,
+                 traj_per_s=2.0)
+    r = {"success_rate": 0.25, "ci_low": 0.05, "ci_high": 0.6, "episodes": 8}
+    write_summary(tmp_path / "summary.json", {
+        "run": "r", "algo": "grpo", "family": "textworld", "env_kind": "synthetic", "updates": 2, "weight_version": 2,
+        "trajectories_trained": 8, "train_seconds": 30.0, "total_seconds": 60.0, "heldout_before": None,
+        "heldout_after": r, "transitions": {"offline_real": 10, "online_real": 0, "synthetic": 40},
+        "phases": [{"phase": "DreamGym", "updates": 2, "seconds": 30.0, "trajectories_pushed": 8}],
+        "mexp_fidelity": {"steps": 4, "reward_accuracy": 0.75}, "history": h.rows})
+    assert main(["report", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "# Run r" in md and "0.250 [0.05, 0.60]" in md and "| synthetic | 40 |" in md
+    assert "reward_accuracy 0.75" in md
+    for key, _ in PLOTS:
+        assert f"(plots/{key}.png)" in md and (tmp_path / "plots" / f"{key}.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["report", str(tmp_path / "missing")]) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -76,3 +78,161 @@ def test_random_bytes_never_crash(data):
         schema.decode(data)
     except schema.SchemaError:
         pass
+
+
+# ----- validation at decode: types, finiteness, agreeing lengths, bounds -----
+# Each entry: (where, field, bad value). `where` is "step" (the first step), "traj" or "task".
+POISON = [
+    ("step", "reward", float("nan")), ("step", "reward", float("inf")), ("step", "reward", -float("inf")),
+    ("step", "reward", "1.0"), ("step", "reward", None), ("step", "reward", [1.0]), ("step", "reward", True),
+    ("step", "reward", 1e300), ("step", "value", float("nan")), ("step", "done", 1), ("step", "valid", "yes"),
+    ("step", "logprobs", [float("nan")]), ("step", "logprobs", ["x"]), ("step", "logprobs", [float("-inf")]),
+    ("step", "logprobs", [0.5]), ("step", "logprobs", [-0.1, -0.2]), ("step", "logprobs", "-0.7"),
+    ("step", "logprobs", [None]), ("step", "action_token_ids", [81.0]), ("step", "action_token_ids", [-1]),
+    ("step", "action_token_ids", ["81"]), ("step", "action_token_ids", [81, 82]), ("step", "loss_mask", [2]),
+    ("step", "loss_mask", [1, 1]), ("step", "loss_mask", [float("nan")]), ("step", "choice_token_ids", [1, None]),
+    ("step", "choice_token_ids", [2 ** 40]), ("step", "state", 7), ("step", "state", None),
+    ("step", "state", "x" * (schema.MAX_TEXT_CHARS + 1)), ("step", "policy_prompt", b"bytes"),
+    ("step", "reasoning_source", "y" * (schema.MAX_ID_CHARS + 1)),
+    ("traj", "policy_version", -1), ("traj", "policy_version", 1.5), ("traj", "created_at", float("nan")),
+    ("traj", "timings", {"policy": float("inf")}), ("traj", "timings", {"env": -1.0}), ("traj", "timings", [1]),
+    ("traj", "timings", {"policy_name": "z" * (schema.MAX_ID_CHARS + 1)}), ("traj", "timings", {"env": None}),
+    ("traj", "task_id", 3), ("traj", "group_id", "g" * (schema.MAX_ID_CHARS + 1)), ("traj", "success", "true"),
+    ("traj", "steps", "not a list"), ("traj", "steps", [{"state": "s"}] * 2),
+    ("task", "instruction", 5), ("task", "seed", "7"), ("task", "meta", [1]), ("task", "generated", 0),
+]
+
+
+def _poisoned(where: str, name: str, value) -> bytes:
+    d = schema.to_dict(_trajectory())
+    target = {"step": lambda: d["steps"][0], "traj": lambda: d, "task": lambda: d["task"]}[where]()
+    target[name] = value
+    return msgpack.packb(d, use_bin_type=True)
+
+
+@pytest.mark.parametrize("where, name, value", POISON, ids=[f"{w}.{n}={str(v)[:12]}" for w, n, v in POISON])
+def test_poison_fields_raise_a_schema_error_naming_the_field(where, name, value):
+    with pytest.raises(schema.SchemaError) as err:
+        schema.decode(_poisoned(where, name, value))
+    if name != "steps":
+        assert name in str(err.value), str(err.value)
+    if where == "step":
+        assert str(err.value).startswith("steps[0]."), str(err.value)
+
+
+def test_good_edge_values_still_decode():
+    tr = _trajectory()
+    s = tr.steps[0]
+    s.reward, s.value, s.logprobs, s.action_token_ids, s.loss_mask = 1, -2.5, [0.0], [0], [0]  # ints are numbers
+    tr.steps[1].logprobs, tr.steps[1].loss_mask = [], []  # a step with no log-probs (offline, real env)
+    tr.steps.append(Step("s", "look", logprobs=[-1e-7] * 3, action_token_ids=[1, 2, 3], loss_mask=[1, 0, 1]))
+    tr.timings["policy_name"] = "expert"  # actors/collect.py labels offline trajectories here
+    assert schema.decode(schema.encode(tr)) == tr
+
+
+def test_step_count_and_message_size_are_bounded():
+    many = Trajectory("t", "g", [Step("s", "a")] * (schema.MAX_STEPS + 1))
+    with pytest.raises(schema.InvalidField, match="steps"):
+        schema.decode(schema.encode(many))
+    assert len(schema.decode_as(schema.encode(Trajectory("t", "g", [Step("s", "a")] * schema.MAX_STEPS)),
+                                Trajectory).steps) == schema.MAX_STEPS
+    with pytest.raises(schema.InvalidField, match="bytes"):
+        schema.decode(b"\x00" * (schema.MAX_MESSAGE_BYTES + 1))
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 63, 2 ** 64 - 1), st.floats(allow_nan=True),
+                 st.text(max_size=5), st.binary(max_size=5), st.lists(st.integers(0, 3), max_size=3),
+                 st.lists(st.floats(), max_size=3), st.dictionaries(st.text(max_size=3), st.floats(), max_size=2))
+_STEP_FIELDS = sorted(schema._FIELD_NAMES[Step])
+_TRAJ_FIELDS = sorted(schema._FIELD_NAMES[Trajectory] - {"steps", "task", "env_kind", "status"})
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(["step", "traj"]), st.data())
+def test_any_value_in_any_field_decodes_to_a_valid_message_or_a_schema_error(where, data):
+    """Whatever a hostile or buggy producer writes into one field, decode either returns a
+    message whose numbers are finite and whose per-token lists agree, or raises SchemaError
+    (never another exception, never a NaN that reaches the learner)."""
+    name = data.draw(st.sampled_from(_STEP_FIELDS if where == "step" else _TRAJ_FIELDS))
+    value = data.draw(_ANY)
+    try:
+        tr = schema.decode_as(_poisoned(where, name, value), Trajectory)
+    except schema.SchemaError:
+        return
+    for s in tr.steps:
+        for x in (s.reward, s.value, *s.logprobs):
+            assert isinstance(x, (int, float)) and x == x and abs(x) < float("inf")
+        assert all(isinstance(x, str) for x in (s.state, s.action, s.next_state, s.reasoning, s.policy_prompt))
+        assert not s.logprobs or len(s.logprobs) == len(s.action_token_ids)
+        assert not s.loss_mask or len(s.loss_mask) == len(s.action_token_ids)
+        assert all(isinstance(t, int) and t >= 0 for t in s.action_token_ids + s.choice_token_ids)
+    assert all(isinstance(x, str) or x == x and 0 <= x < float("inf") for x in tr.timings.values())
+    assert isinstance(tr.policy_version, int) and tr.policy_version >= 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=1, max_size=6))
+def test_logprob_lists_are_finite_and_non_positive_after_decode(lps):
+    tr = _trajectory()
+    tr.steps[0].logprobs, tr.steps[0].action_token_ids, tr.steps[0].loss_mask = lps, list(range(len(lps))), []
+    ok = all(x == x and schema.LOGPROB_RANGE[0] <= x <= schema.LOGPROB_RANGE[1] for x in lps)
+    if ok:
+        assert schema.decode_as(schema.encode(tr), Trajectory).steps[0].logprobs == lps
+    else:
+        with pytest.raises(schema.InvalidField, match="logprobs"):
+            schema.decode(schema.encode(tr))
+
+
+def _reference_step_ok(d: dict) -> bool:
+    """The schema's rules for one step, written out per element, slowly and plainly."""
+    def number(x, lo, hi, allow_bool=False):
+        if isinstance(x, bool) and not allow_bool:
+            return False
+        return isinstance(x, (int, float)) and math.isfinite(x) and lo <= x <= hi
+
+    for name in ("state", "action", "next_state", "reasoning", "policy_prompt"):
+        if not isinstance(d[name], str) or len(d[name]) > schema.MAX_TEXT_CHARS:
+            return False
+    if not isinstance(d["reasoning_source"], str) or len(d["reasoning_source"]) > schema.MAX_ID_CHARS:
+        return False
+    if not all(number(d[k], -schema.MAX_ABS_REWARD, schema.MAX_ABS_REWARD) for k in ("reward", "value")):
+        return False
+    if not (isinstance(d["done"], bool) and isinstance(d["valid"], bool)):
+        return False
+    ids, lps, mask, choices = d["action_token_ids"], d["logprobs"], d["loss_mask"], d["choice_token_ids"]
+    if not all(isinstance(v, list) and len(v) <= schema.MAX_TOKENS for v in (ids, lps, mask, choices)):
+        return False
+    for t in ids + choices:
+        if not (isinstance(t, int) and 0 <= t <= schema.MAX_TOKEN_ID):
+            return False
+    for x in lps:
+        if not number(x, *schema.LOGPROB_RANGE, allow_bool=True):
+            return False
+    for m in mask:
+        if not (isinstance(m, (int, float)) and m in (0, 1)):
+            return False
+    return (not lps or len(lps) == len(ids)) and (not mask or len(mask) == len(ids))
+
+
+_ELEMENT = st.one_of(st.integers(-3, 2 ** 33), st.floats(allow_nan=True), st.booleans(), st.none(), st.text(max_size=2))
+_STEP_VALUES = {
+    "reward": st.one_of(_ANY, st.floats(-2e6, 2e6)), "value": st.one_of(_ANY, st.floats(-2e6, 2e6)),
+    "done": _ANY, "valid": _ANY, "state": st.one_of(st.text(max_size=3), _ANY), "reasoning_source": _ANY,
+    "action_token_ids": st.one_of(st.lists(st.integers(0, 100), max_size=3), st.lists(_ELEMENT, max_size=3), _ANY),
+    "choice_token_ids": st.one_of(st.lists(st.integers(0, 100), max_size=3), st.lists(_ELEMENT, max_size=3)),
+    "logprobs": st.one_of(st.lists(st.floats(-20, 0), max_size=3), st.lists(_ELEMENT, max_size=3), _ANY),
+    "loss_mask": st.one_of(st.lists(st.sampled_from([0, 1]), max_size=3), st.lists(_ELEMENT, max_size=3), _ANY),
+}
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.fixed_dictionaries({}, optional=_STEP_VALUES))
+def test_fast_step_check_matches_the_slow_reference(changes):
+    d = dict(schema.to_dict(_trajectory())["steps"][0])
+    d.update(changes)
+    try:
+        schema._check_step(d)
+        fast_ok = True
+    except schema.InvalidField:
+        fast_ok = False
+    assert fast_ok == _reference_step_ok(d), changes

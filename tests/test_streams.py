@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import uuid
+
 import msgpack
 import pytest
 import redis as syncredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from infra import metrics, schema
 from infra.redis_server import EmbeddedRedis
@@ -14,6 +18,7 @@ from infra.schema import Step, Trajectory
 from infra.streams import (StreamConsumer, StreamProducer, connect, dead_letter_stream, stream_status,
                            trajectories_stream)
 from infra.task_stats import TaskStatsStore, group_variance
+from tests.test_schema import POISON, _poisoned
 
 
 def _traj(i: int) -> Trajectory:
@@ -176,7 +181,201 @@ def test_group_variance_reference():
 def test_embedded_server_stops_cleanly():
     server = EmbeddedRedis().start()
     port = server.port
-    assert syncredis.Redis(port=port).ping()
+    assert syncredis.Redis.from_url(server.url).ping()
     server.stop()
     with pytest.raises(syncredis.exceptions.ConnectionError):
-        syncredis.Redis(port=port, socket_connect_timeout=0.5).ping()
+        syncredis.Redis.from_url(server.url, socket_connect_timeout=0.5).ping()
+
+
+# ----- bounded redelivery: nack, max_deliveries, crash loops, leases -----
+async def _pending(client, stream, group="learner") -> dict:
+    return {p["message_id"]: p for p in await client.xpending_range(stream, group, "-", "+", 100)}
+
+
+async def test_a_handler_that_always_fails_is_retried_then_dead_lettered(redis_url):
+    """The issue's probe: a message whose handler always raises used to come back forever."""
+    client = connect(redis_url)
+    stream = trajectories_stream("nack")
+    await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(3)])
+    c = StreamConsumer(client, stream, "learner", "c", _decode, reclaim_every=1, max_deliveries=3)
+    await c.ensure_group()
+    handled: dict[str, int] = {}
+    for _ in range(12):
+        for d in await c.read(count=10, block_ms=20):
+            tid = d.message.trajectory_id
+            handled[tid] = handled.get(tid, 0) + 1
+            assert d.deliveries == handled[tid]  # the PEL's counter, not a guess
+            if tid == "tr1":
+                await c.nack([d], RuntimeError("handler exploded"))
+            else:
+                await c.ack([d.entry_id])
+    assert handled == {"tr0": 1, "tr1": 3, "tr2": 1}  # handled exactly max_deliveries times, no more
+    dead = await client.xrange(dead_letter_stream(stream))
+    assert len(dead) == 1
+    fields = dead[0][1]
+    assert schema.decode_as(fields[b"d"], Trajectory).trajectory_id == "tr1"  # the original bytes
+    assert fields[b"error"].decode().startswith("MaxDeliveries: handled 3 times")
+    assert "RuntimeError: handler exploded" in fields[b"error"].decode()
+    assert await _pending(client, stream) == {}  # acked: nothing stays pending
+    await client.aclose()
+
+
+async def test_a_retried_message_goes_to_another_consumer_and_can_succeed(redis_url):
+    client = connect(redis_url)
+    stream = trajectories_stream("nack2")
+    await StreamProducer(client, stream).add([schema.encode(_traj(0))])
+    flaky = StreamConsumer(client, stream, "learner", "flaky", _decode, reclaim_every=1)
+    good = StreamConsumer(client, stream, "learner", "good", _decode, reclaim_every=1)
+    await flaky.ensure_group()
+    [d] = await flaky.read(count=1, block_ms=20)
+    assert await flaky.nack([d], "ConnectionError: engine down") == []  # 1 of 5: retried, not dead
+    [again] = await good.read(count=1, block_ms=20)
+    assert again.entry_id == d.entry_id and again.deliveries == 2 and again.reclaimed
+    await good.ack([again.entry_id])
+    assert await _pending(client, stream) == {} and await client.xlen(dead_letter_stream(stream)) == 0
+    await client.aclose()
+
+
+async def test_a_consumer_that_crashes_on_a_message_does_not_crash_loop(redis_url):
+    """The issue's learner probe: each restart re-read its own pending entry first and died again.
+    Now each re-read raises the delivery counter, and past max_deliveries the entry is
+    dead-lettered before the restarted consumer's caller ever sees it."""
+    client = connect(redis_url)
+    stream = trajectories_stream("crash")
+    await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(2)])
+    seen = []
+    for incarnation in range(5):  # same consumer name each time, as the learner's "learner-0"
+        c = StreamConsumer(client, stream, "learner", "learner-0", _decode, max_deliveries=3)
+        await c.ensure_group()
+        got = await c.read(count=10, block_ms=20)
+        seen.append(sorted((d.message.trajectory_id, d.deliveries) for d in got))
+        for d in got:
+            if d.message.trajectory_id == "tr1":
+                await c.ack([d.entry_id])  # the good one is used; tr0 "crashes the process": no ack, no nack
+    assert seen[0] == [("tr0", 1), ("tr1", 1)]
+    assert seen[1] == [("tr0", 2)] and seen[2] == [("tr0", 3)]
+    assert seen[3] == [] and seen[4] == []  # the 4th restart finds it over the bound: dead, not delivered
+    dead = await client.xrange(dead_letter_stream(stream))
+    assert len(dead) == 1 and b"none reported" in dead[0][1][b"error"]
+    assert await _pending(client, stream) == {}
+    await client.aclose()
+
+
+async def test_held_entries_keep_their_lease_and_their_count(redis_url):
+    """A learner holding entries for longer than reclaim_idle_ms (waiting for the rest of a GRPO
+    group, or for a checkpoint) must not have them reclaimed by itself or anyone else, and
+    their delivery counters must not grow: otherwise healthy messages would be dead-lettered."""
+    client = connect(redis_url)
+    stream = trajectories_stream("lease")
+    await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(3)])
+    holder = StreamConsumer(client, stream, "learner", "holder", _decode, reclaim_idle_ms=150, reclaim_every=1,
+                            max_deliveries=2)
+    thief = StreamConsumer(client, stream, "learner", "thief", _decode, reclaim_idle_ms=150, reclaim_every=1)
+    await holder.ensure_group()
+    held = await holder.read(count=10, block_ms=20)
+    assert len(held) == 3
+    for _ in range(6):
+        await asyncio.sleep(0.1)
+        assert await holder.read(count=10, block_ms=10) == []  # its own entries do not come back
+    pending = await _pending(client, stream)
+    assert {p["times_delivered"] for p in pending.values()} == {1}
+    assert {p["consumer"] for p in pending.values()} == {b"holder"}
+    # the holder stops reading (a long update): the entries go idle and another consumer may take them
+    await asyncio.sleep(0.3)
+    stolen = await thief.read(count=10, block_ms=10)
+    assert len(stolen) == 3 and all(d.deliveries == 2 for d in stolen)
+    await thief.ack([d.entry_id for d in stolen])
+    await holder.ack([d.entry_id for d in held])  # late ack of the same entries: harmless
+    assert await _pending(client, stream) == {} and await client.xlen(dead_letter_stream(stream)) == 0
+    await client.aclose()
+
+
+async def test_a_handed_back_entry_is_not_taken_back_by_the_lease(redis_url):
+    """The rollout worker hands a failed task back by XCLAIMing it to a parking consumer; the
+    lease renewal must not pull it back (it only renews entries this consumer still owns)."""
+    client = connect(redis_url)
+    stream = trajectories_stream("handback")
+    await StreamProducer(client, stream).add([schema.encode(_traj(0))])
+    c = StreamConsumer(client, stream, "learner", "w0", _decode, reclaim_idle_ms=100, reclaim_every=1)
+    await c.ensure_group()
+    [d] = await c.read(count=1, block_ms=20)
+    await client.xclaim(stream, "learner", "parked", 0, [d.entry_id], idle=10 ** 9, justid=True)
+    [again] = await c.read(count=1, block_ms=20)  # reclaimed from the parking consumer, not swallowed
+    assert again.entry_id == d.entry_id and again.deliveries == 2
+    await client.aclose()
+
+
+async def test_own_pending_is_read_in_pages_without_repeats(redis_url):
+    client = connect(redis_url)
+    stream = trajectories_stream("pages")
+    await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(7)])
+    first = StreamConsumer(client, stream, "learner", "l0", _decode)
+    await first.ensure_group()
+    assert len(await first.read(count=10, block_ms=20)) == 7  # dies holding all seven
+    again = StreamConsumer(client, stream, "learner", "l0", _decode)
+    pages = [await again.read(count=3, block_ms=20) for _ in range(4)]
+    ids = [d.message.trajectory_id for page in pages for d in page]
+    assert ids == [f"tr{i}" for i in range(7)]  # each once, in order, though none was acked
+    assert all(d.deliveries == 2 for page in pages for d in page)
+    await client.aclose()
+
+
+async def test_dead_letter_moves_deliveries_the_caller_cannot_use(redis_url):
+    client = connect(redis_url)
+    stream = trajectories_stream("dl")
+    await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(4)])
+    c = await _consumer(client, "c", stream)
+    got = await c.read(count=10, block_ms=20)
+    before = metrics.STREAM_DEAD_LETTERS.labels(stream, "NonFiniteLoss")._value.get()
+    await c.dead_letter(got[:2], "NonFiniteLoss: loss was nan in update 4")
+    dead = await client.xrange(dead_letter_stream(stream))
+    assert [schema.decode_as(f[b"d"], Trajectory).trajectory_id for _, f in dead] == ["tr0", "tr1"]
+    assert all(f[b"error"] == b"NonFiniteLoss: loss was nan in update 4" and f[b"consumer"] == b"c" for _, f in dead)
+    assert metrics.STREAM_DEAD_LETTERS.labels(stream, "NonFiniteLoss")._value.get() == before + 2
+    assert set(await _pending(client, stream)) == {d.entry_id for d in got[2:]}
+    await client.aclose()
+
+
+def test_max_deliveries_must_be_positive():
+    with pytest.raises(ValueError, match="max_deliveries"):
+        StreamConsumer(None, "s", "g", "c", _decode, max_deliveries=0)  # type: ignore[arg-type]
+
+
+_NON_FINITE = st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e308 * 10])
+_POISON_MESSAGES = st.one_of(
+    st.sampled_from(POISON).map(lambda p: _poisoned(*p)),
+    _NON_FINITE.map(lambda x: _poisoned("step", "reward", x)),
+    _NON_FINITE.map(lambda x: _poisoned("step", "logprobs", [-0.1, x])),
+    st.lists(st.integers(0, 9), min_size=2, max_size=4).map(lambda ids: _poisoned("step", "action_token_ids", ids)),
+    st.binary(max_size=40),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.booleans(), _POISON_MESSAGES), min_size=1, max_size=8))
+def test_poison_through_a_real_consumer_lands_in_the_dead_letter_stream(redis_server, mix):
+    """Good and poisoned messages interleaved on a real stream: the consumer hands over exactly
+    the good ones, every poisoned one is in the dead-letter stream with a SchemaError reason and
+    its original bytes, and none stays pending."""
+    async def run() -> None:
+        client = connect(redis_server.url)
+        stream = trajectories_stream(f"poison-{uuid.uuid4().hex[:8]}")
+        payloads, good = [], []
+        for i, (is_good, poison) in enumerate(mix):
+            payloads.append(schema.encode(_traj(i)) if is_good else poison)
+            if is_good:
+                good.append(f"tr{i}")
+        await StreamProducer(client, stream).add(payloads)
+        consumer = await _consumer(client, "c", stream)
+        got = await consumer.read(count=100, block_ms=20)
+        assert [d.message.trajectory_id for d in got] == good
+        dead = await client.xrange(dead_letter_stream(stream))
+        assert sorted(f[b"d"] for _, f in dead) == sorted(p for (ok, p) in mix if not ok)
+        reasons = {f[b"error"].decode().split(":")[0] for _, f in dead}
+        assert reasons <= {"InvalidField", "MalformedMessage", "UnknownSchemaVersion"}, reasons
+        await consumer.ack([d.entry_id for d in got])
+        assert (await stream_status(client, stream))["groups"][0]["pending"] == 0
+        await client.delete(stream, dead_letter_stream(stream))
+        await client.aclose()
+
+    asyncio.run(run())

@@ -131,8 +131,8 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
 @pytest.mark.slow
 @pytest.mark.model
 async def test_variants_generated_end_to_end_with_the_real_smollm2_engine(embedder, smollm2, redis_url):
-    engine_server = pytest.importorskip("infra.engine_server")
-    engine_client = pytest.importorskip("infra.engine_client")
+    engine_server = pytest.importorskip("infra.engine.server")
+    engine_client = pytest.importorskip("infra.engine.client")
     from infra.streams import connect
     from simulator.curriculum import CurriculumScheduler
 

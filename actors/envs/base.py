@@ -10,6 +10,8 @@ see which is which:
   admissible commands; click/type actions for a page's elements); `info["valid"]`
   says whether the last action was accepted; `info["won"]` marks success.
 - An invalid action never raises: the returned state says it was invalid.
+- An environment that cannot go on raises `SimulationError` (a synthetic step Mexp
+  could not produce); any other exception of a real environment is a crash.
 
 The abstract state (paper §4.1) is a short description followed by numbered
 actionable items, one per line:
@@ -28,7 +30,9 @@ for command-style environments, the command text itself or `[n]` for item n.
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -48,6 +52,14 @@ class StateFormatError(ValueError):
 
 class ActionFormatError(ValueError):
     """Text that is not an action in the uniform format."""
+
+
+class SimulationError(RuntimeError):
+    """The environment could not produce the next state (the synthetic one: Mexp's output was rejected).
+
+    Not the policy's doing: the episode loop (actors/episode.py) ends the episode with
+    status `sim_error`, which the learner never trains on.
+    """
 
 
 @dataclass
@@ -179,3 +191,24 @@ class Environment(Protocol):
 
     async def close(self) -> None:
         """Release processes (browsers, game interpreters)."""
+
+
+class LockedThreadCore:
+    """The async Environment interface over a synchronous core (`reset_sync`, `step_sync`,
+    `close_sync`) that runs in a worker thread under `_core_lock`: TextWorld's game
+    interpreters are not safe to drive from two threads at once."""
+
+    _core_lock: threading.Lock
+
+    def _locked(self, fn: Any, *args: Any) -> Any:
+        with self._core_lock:
+            return fn(*args)
+
+    async def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
+        return await asyncio.to_thread(self._locked, self.reset_sync, task)  # type: ignore[attr-defined]
+
+    async def step(self, action: str) -> StepResult:
+        return await asyncio.to_thread(self._locked, self.step_sync, action)  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._locked, self.close_sync)  # type: ignore[attr-defined]

@@ -1,8 +1,9 @@
 """Scripted action choosers: the environment's expert, an ε-noisy expert, uniform random.
 
-They are `ActionChooser`s (actors/evaluate.py) used by offline collection and as
+They are `Chooser`s (actors/episode.py) used by offline collection and as
 evaluation baselines. The expert's move comes from the environment itself
-(`info["expert_action"]`: TextWorld's `policy_commands`, MiniWoB's scripted solver),
+(`info["expert_action"]`: TextWorld's `policy_commands`, MiniWoB's scripted solver,
+ALFWorld's planner; a zero-argument callable where the move costs a planner call),
 so these choosers read the step's info dict; the runner passes it to choosers whose
 `uses_env_info` is true. Randomness is a private `random.Random` per chooser, seeded,
 so an evaluation is reproducible.
@@ -10,6 +11,7 @@ so an evaluation is reproducible.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any, Sequence
 
@@ -42,6 +44,8 @@ class ExpertChooser:
     async def __call__(self, task: Task, state: str, candidates: Sequence[str], history: Sequence[str],
                        info: dict[str, Any] | None = None) -> str:
         move = (info or {}).get("expert_action")
+        if callable(move):  # an environment whose expert costs a planner call computes it on demand
+            move = await asyncio.to_thread(move)
         return move if move else await self.fallback(task, state, candidates, history)
 
 

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import gymnasium as gym
 import numpy as np
 
+from actors.dataset import TaskSplits
+from actors.envs.registry import make_env
 from infra.schema import Task
 
 CHARSET = frozenset(string.printable)
@@ -79,9 +81,6 @@ class DreamGymTextEnv(gym.Env):
 
 def gym_env_creator(env_config: dict) -> DreamGymTextEnv:
     """Build from {"family": ..., "splits": path, "split": "train"|"heldout", "max_steps": n, "max_actions": n}."""
-    from actors.dataset import TaskSplits
-    from actors.envs.registry import make_env
-
     cfg = dict(env_config or {})
     splits = TaskSplits.load(cfg["splits"])
     tasks = splits.train if cfg.get("split", "train") == "train" else splits.heldout
@@ -91,7 +90,7 @@ def gym_env_creator(env_config: dict) -> DreamGymTextEnv:
 
 def register_rllib_env(name: str = "dreamgym-text") -> str:
     """Register `gym_env_creator` with RLlib under `name` (no Ray runtime needed to register)."""
-    from ray.tune.registry import register_env
+    from ray.tune.registry import register_env  # Ray, only for RLlib users
 
     register_env(name, gym_env_creator)
     return name

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from actors.dataset import TaskSplits
 from actors.envs.base import (TYPEABLE_TAGS, AbstractState, ActionFormatError, StepResult, candidate_actions,
                               invalid_observation, parse_action)
 from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
@@ -43,7 +44,7 @@ CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-qu
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--disable-dev-shm-usage")
 USER_DATA_PREFIX = "dreamgym-chrome-"
-BROWSER_MB = 200  # one extra browser's memory, for sizing pools (FACTS.md: 170-190 MB PSS each)
+BROWSER_MB = 200  # one extra browser's memory, for sizing pools (measured: 170-190 MB PSS each)
 CLICKABLE = {"button", "a", "span", "div", "p", "label", "li", "td", "option", "select", "img", "h1", "h2", "h3",
              "input_checkbox", "input_radio", "input_submit", "input_button", "tab"}
 MAX_ITEMS = 40
@@ -71,8 +72,8 @@ def _install_chrome_shim() -> None:
             return
         os.environ.setdefault("MINIWOB_CHROME_BINARY", "/usr/bin/chromium")
         os.environ.setdefault("MINIWOB_CHROMEDRIVER", "/usr/bin/chromedriver")
-        from miniwob import selenium_instance
-        from selenium import webdriver
+        from miniwob import selenium_instance  # the browser stack: MiniWoB only
+        from selenium import webdriver  # the browser stack: MiniWoB only
 
         class _WebdriverShim:
             Chrome = webdriver.Chrome
@@ -279,9 +280,9 @@ class MiniWoBEnv:
             return
         self.close_sync()
         _install_chrome_shim()
-        import gymnasium as gym
-        import miniwob
-        from miniwob.reward import get_raw_reward
+        import gymnasium as gym  # the page env: only when a page opens
+        import miniwob  # the page env: its gym ids
+        from miniwob.reward import get_raw_reward  # the page env: only when a page opens
 
         gym.register_envs(miniwob)
         self._env = gym.make(f"miniwob/{subdomain}-v1", reward_processor=get_raw_reward)
@@ -391,8 +392,6 @@ def make_miniwob_tasks(train_tasks: list[str], heldout_tasks: list[str], seeds_p
     """Train: each train task at seeds seed*1000+j; held-out: the held-out tasks at those seeds
     plus each train task at one unseen seed (seed*1000+500). Visits each page once to record
     the utterance, fields and initial state."""
-    from actors.dataset import TaskSplits
-
     plan = [("train", t, seed * 1000 + j) for t in train_tasks for j in range(seeds_per_task)]
     plan += [("heldout", t, seed * 1000 + j) for t in heldout_tasks for j in range(seeds_per_task)]
     plan += [("heldout", t, seed * 1000 + 500) for t in train_tasks]

@@ -33,7 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from actors.envs.base import AbstractState, ActionFormatError, StepResult, invalid_observation, parse_action
+from actors.dataset import TaskSplits
+from actors.envs.base import (AbstractState, ActionFormatError, LockedThreadCore, StepResult, invalid_observation,
+                              parse_action)
 from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
 from infra.schema import Task
 
@@ -108,8 +110,6 @@ def make_textworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, fam
     no game appears in both. Families are assigned round-robin; `heldout_families`
     appear only in the held-out split (the "held-out family" test).
     """
-    from actors.dataset import TaskSplits
-
     train_fams = _expand(list(families))
     held_fams = train_fams + [f for f in _expand(list(heldout_families)) if f not in train_fams]
     if not train_fams:
@@ -119,18 +119,30 @@ def make_textworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, fam
     plan += [("heldout", held_fams[i % len(held_fams)], seed * 10000 + 5000 + i) for i in range(n_heldout)]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # tw-make runs as a subprocess
         paths = list(pool.map(lambda p: generate_game(p[1], p[2], games_dir), plan))
+    tasks = tasks_from_games(paths, [(fam, s) for _split, fam, s in plan])
+    return TaskSplits(train=[t for t, p in zip(tasks, plan) if p[0] == "train"],
+                      heldout=[t for t, p in zip(tasks, plan) if p[0] == "heldout"])
+
+
+def tasks_from_games(paths: list[Path], origins: list[tuple[str, int]] | None = None) -> list[Task]:
+    """One Task per game file, its instruction and initial state read off a reset.
+
+    `origins` gives each game's (family, seed) when it was generated here; any other
+    game (a user's own, `dreamgym eval --tasks DIR`) is named after its file."""
     env = TextWorldEnv()
-    train, heldout = [], []
+    tasks = []
     try:
-        for (split, fam, s), path in zip(plan, paths):
-            task = Task(task_id=f"{fam}-s{s}", instruction="", family=fam, game_file=str(path), seed=s)
+        for i, path in enumerate(paths):
+            fam, s = origins[i] if origins else ("textworld", 0)
+            task_id = f"{fam}-s{s}" if origins else Path(path).stem
+            task = Task(task_id=task_id, instruction="", family=fam, game_file=str(path), seed=s)
             state, _info = env.reset_sync(task)
             task.instruction = env.objective
             task.initial_state = state
-            (train if split == "train" else heldout).append(task)
+            tasks.append(task)
     finally:
         env.close_sync()
-    return TaskSplits(train=train, heldout=heldout)
+    return tasks
 
 
 def _humanize_fact(fact: str) -> str:
@@ -252,8 +264,9 @@ def render_state(objective: str, description: str, inventory: str, commands: lis
     return AbstractState(desc, [(i + 1, c) for i, c in enumerate(shown)]).render()
 
 
-class TextWorldEnv:
+class TextWorldEnv(LockedThreadCore):
     """One TextWorld game at a time; `reset(task)` opens `task.game_file`."""
+    _core_lock = _TW_LOCK
 
     family = "textworld"
 
@@ -270,7 +283,7 @@ class TextWorldEnv:
 
     # --- sync core -------------------------------------------------------
     def _open(self, game_file: str) -> None:
-        import textworld
+        import textworld  # the game engine: only when a game opens
 
         if self._env is not None and game_file == self._game_file:
             return
@@ -348,16 +361,3 @@ class TextWorldEnv:
             finally:
                 self._env, self._game_file, self._gs = None, "", None
 
-    # --- the async Environment interface --------------------------------
-    def _locked(self, fn: Any, *args: Any) -> Any:
-        with _TW_LOCK:
-            return fn(*args)
-
-    async def reset(self, task: Task) -> tuple[str, dict[str, Any]]:
-        return await asyncio.to_thread(self._locked, self.reset_sync, task)
-
-    async def step(self, action: str) -> StepResult:
-        return await asyncio.to_thread(self._locked, self.step_sync, action)
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self._locked, self.close_sync)

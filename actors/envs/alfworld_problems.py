@@ -1,0 +1,434 @@
+"""ALFWorld household problems generated offline from the layouts the `alfworld` package ships.
+
+Owns the problem generator and the ALFWorld task splits:
+
+- `load_layout(scene)`: one of the 120 bundled AI2-THOR floorplans: its receptacles
+  with the pose the agent stands at to reach them (`FloorPlanN-openable.json`), the
+  object types present in the room (`FloorPlanN-objects.json`) and its reachable
+  floor points (`FloorPlanN-layout.npy`).
+- `sample_problem(layout, task_type, rng)`: a PDDL problem over ALFWorld's own domain
+  (`alfred.pddl`) for one of the six task types. The target object's instances and
+  some distractor objects of the room's other types are placed in receptacles that
+  ALFRED allows to hold them (`constants.VAL_RECEPTACLE_OBJECTS`); openable
+  receptacles start closed; the agent starts in the middle of the room. The goal is
+  ALFWorld's PDDL goal for the type (`goal_library.gdict`) and the task text is one of
+  ALFWorld's templates for it ("put a hot apple in countertop."), written into
+  ALFWorld's grammar (`alfred.twl2`) as `alfworld-generate` does.
+- `generate_game(...)`: the game file (`.tw-pddl`, the JSON that ALFWorld's own
+  game files use: domain, grammar, problem, `solvable`, `walkthrough`), generated once
+  from (task type, scene, seed), checked solvable by TextWorld's planner (a plan
+  whose replay wins the game) and cached under `<data_dir>/alfworld/games/`.
+- `make_alfworld_tasks(...)`: train and held-out tasks. Held-out tasks use ALFRED's
+  test floorplans (`constants.TEST_SCENE_NUMBERS`, 6 of 30 per room type: unseen
+  rooms), train tasks only the others; `heldout_task_types` appear only in the
+  held-out split.
+
+Where this departs from ALFWorld: ALFWorld's 3 553 training games are ALFRED
+trajectories replayed in AI2-THOR (which places every object of the scene and needs
+the simulator and the downloaded data); here objects are placed by a seeded sampler
+over the same layouts, with fewer distractors (`MAX_DISTRACTORS` types) so the
+planner answers in well under a second. Receptacles that a room has but whose
+interaction pose the layout files do not record (coffee machines, garbage cans,
+stove burners, ...) get one instance at a reachable floor point. Sliced objects and
+movable receptacles used as containers (ALFRED's `movable` and `Sliced` variants,
+which ALFWorld also skips) are left out; `look_at_obj_in_light` uses desk lamps, the
+lamp that ALFRED places on furniture.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import re
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.dataset import TaskSplits
+from actors.envs.alfworld_env import AlfWorldEnv
+from infra.schema import Task
+
+TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
+# The receptacle each state-changing task type needs, and the predicate its objects must carry.
+_TOOL = {"pick_clean_then_place_in_recep": ("SinkBasin", "Cleanable"),
+         "pick_heat_then_place_in_recep": ("Microwave", "Heatable"),
+         "pick_cool_then_place_in_recep": ("Fridge", "Coolable")}
+LAMP = "DeskLamp"
+LAMP_HOLDERS = ("Desk", "SideTable", "Dresser", "Shelf", "Nightstand")
+MAX_DISTRACTORS = 6  # distractor object types per problem (ALFRED scenes hold 20-40)
+MAX_ATTEMPTS = 12  # floorplans tried for one task slot before it is declared impossible
+GAME_SUFFIX = ".tw-pddl"
+_MANGLE = {"-": "_minus_", "|": "_bar_", "+": "_plus_", ".": "_dot_", ",": "_comma_"}
+_MANGLE_RE = re.compile("|".join(re.escape(k) for k in _MANGLE))
+
+
+class ProblemGenerationError(RuntimeError):
+    """No solvable problem of a task type could be generated where one was asked for."""
+
+
+def _alfworld() -> tuple[Any, Any, Path]:
+    """(constants, goal_library, package dir): imported lazily, alfworld is an optional install."""
+    try:  # alfworld is an optional install (and slow to import)
+        import alfworld.gen.constants as constants  # optional install, only when used
+        import alfworld.gen.goal_library as goal_library  # optional install, only when used
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError("actors.env_family=alfworld needs the alfworld package: "
+                          "pip install --no-deps alfworld==0.4.2 (infra/setup.sh does this)") from exc
+    import alfworld  # optional install; see above
+
+    return constants, goal_library, Path(alfworld.__file__).parent
+
+
+def mangle(name: str) -> str:
+    """ALFRED's object id -> a PDDL name ('Apple|+01.00|...' -> 'Apple_bar__plus_01_dot_00...'), as ALFWorld writes them."""
+    return _MANGLE_RE.sub(lambda m: _MANGLE[m.group(0)], name)
+
+
+def scene_number(scene: str) -> int:
+    m = re.fullmatch(r"FloorPlan(\d+)", scene)
+    if not m:
+        raise ValueError(f"not an ALFRED floorplan name: {scene!r} (expected FloorPlan<N>)")
+    return int(m.group(1))
+
+
+def room_type(scene: str) -> str:
+    n = scene_number(scene)
+    return {0: "Kitchen", 2: "LivingRoom", 3: "Bedroom", 4: "Bathroom"}[n // 100]
+
+
+def all_scenes() -> list[str]:
+    _c, _g, pkg = _alfworld()
+    names = [p.name.split("-")[0] for p in (pkg / "gen" / "layouts").glob("FloorPlan*-openable.json")]
+    return sorted(names, key=scene_number)
+
+
+def heldout_scenes() -> set[str]:
+    """ALFRED's test floorplans (6 of 30 per room type): the unseen rooms."""
+    constants, _g, _p = _alfworld()
+    return {f"FloorPlan{n}" for n in constants.TEST_SCENE_NUMBERS}
+
+
+def _loc(x: float, z: float, rot: float, horizon: float) -> str:
+    return f"loc|{round(x / 0.25)}|{round(z / 0.25)}|{round(rot / 90) % 4}|{round(horizon)}"
+
+
+def _receptacle_type(rid: str) -> str:
+    parts = rid.split("|")
+    return parts[4] if len(parts) == 5 else parts[0]  # 'Sink|x|y|z|SinkBasin' is a SinkBasin
+
+
+@dataclass
+class Layout:
+    scene: str
+    receptacles: dict[str, tuple[str, str]]  # id -> (type, location)
+    object_types: list[str]  # pickupable object types present in the room
+    start: str  # the agent's starting location, where no receptacle is
+    has_lamp: bool = False  # a desk lamp stands in the room (look_at_obj_in_light)
+
+    def receptacles_of(self, rtype: str) -> list[str]:
+        return [r for r, (t, _l) in self.receptacles.items() if t == rtype]
+
+    @property
+    def receptacle_types(self) -> set[str]:
+        return {t for t, _l in self.receptacles.values()}
+
+
+def load_layout(scene: str) -> Layout:
+    constants, _g, pkg = _alfworld()
+    base = pkg / "gen" / "layouts"
+    if not (base / f"{scene}-openable.json").exists():
+        raise ValueError(f"ALFWorld has no layout {scene!r}; it ships {len(all_scenes())} (e.g. FloorPlan1, FloorPlan301)")
+    poses = json.loads((base / f"{scene}-openable.json").read_text())
+    present = json.loads((base / f"{scene}-objects.json").read_text())
+    points = np.load(base / f"{scene}-layout.npy")
+    static = (set(constants.RECEPTACLES) - set(constants.MOVABLE_RECEPTACLES)) & set(constants.VAL_RECEPTACLE_OBJECTS)
+    recs: dict[str, tuple[str, str]] = {}
+    for rid, (x, z, rot, hor) in sorted(poses.items()):
+        if _receptacle_type(rid) in static:
+            recs[rid] = (_receptacle_type(rid), _loc(x, z, rot, hor))
+    used = {tuple(l.split("|")[1:3]) for _t, l in recs.values()}
+    free = [(float(x), float(z)) for x, z in points if (str(round(x / 0.25)), str(round(z / 0.25))) not in used]
+    # Receptacle types the room holds but whose interaction pose was not recorded: one instance each.
+    for i, rtype in enumerate(sorted(t for t in set(present) & static if t not in {t for t, _l in recs.values()})):
+        x, z = free[(7 * i + 3) % len(free)]
+        recs[f"{rtype}|{x:+06.2f}|+00.90|{z:+06.2f}"] = (rtype, _loc(x, z, 0, 30))
+    holdable = set().union(*constants.VAL_RECEPTACLE_OBJECTS.values())
+    objects = sorted(t for t in set(present) if t in holdable and t not in static and "Sliced" not in t)
+    x, z = free[len(free) // 2] if free else (0.0, 0.0)
+    return Layout(scene, recs, objects, _loc(x, z, 0, 30), LAMP in present)
+
+
+@dataclass
+class Problem:
+    task_type: str
+    scene: str
+    object_target: str
+    parent_target: str  # receptacle type of the goal ('' for look_at_obj_in_light)
+    toggle_target: str  # 'DeskLamp' for look_at_obj_in_light, else ''
+    description: str  # the task as ALFWorld states it, e.g. "put a hot apple in countertop"
+    placements: dict[str, str] = field(default_factory=dict)  # object id -> receptacle id
+    pddl: str = ""
+
+
+def _holders(layout: Layout, otype: str, constants: Any, exclude: set[str] = frozenset()) -> list[str]:
+    return [r for r, (t, _l) in layout.receptacles.items()
+            if t not in exclude and otype in constants.VAL_RECEPTACLE_OBJECTS.get(t, ())]
+
+
+def _object_id(otype: str, rng: random.Random, taken: set[str]) -> str:
+    while True:
+        oid = f"{otype}|{rng.uniform(-3, 3):+06.2f}|{rng.uniform(0, 2):+06.2f}|{rng.uniform(-3, 3):+06.2f}"
+        if oid not in taken:
+            taken.add(oid)
+            return oid
+
+
+def feasible_targets(layout: Layout, task_type: str) -> list[tuple[str, str]]:
+    """Every (object type, goal receptacle type) this layout allows for `task_type`, sorted."""
+    constants, _g, _p = _alfworld()
+    if task_type not in TASK_TYPES:
+        raise ValueError(f"unknown ALFWorld task type {task_type!r}; expected one of {', '.join(TASK_TYPES)}")
+    if room_type(layout.scene) not in constants.GOALS_VALID[task_type]:
+        return []
+    if task_type == "look_at_obj_in_light":
+        if not layout.has_lamp or not any(layout.receptacles_of(h) for h in LAMP_HOLDERS):
+            return []
+        return [(o, "") for o in layout.object_types if _holders(layout, o, constants)]
+    tool, ability = _TOOL.get(task_type, ("", ""))
+    if tool and not layout.receptacles_of(tool):
+        return []
+    out = []
+    for o in layout.object_types:
+        if ability and o not in constants.VAL_ACTION_OBJECTS[ability]:
+            continue
+        for rtype in sorted(layout.receptacle_types - {tool}):
+            # The goal receptacle must hold it, and some other receptacle (not the tool) must hold it at the start.
+            if o in constants.VAL_RECEPTACLE_OBJECTS.get(rtype, ()) and _holders(layout, o, constants, {rtype, tool}):
+                out.append((o, rtype))
+    return out
+
+
+def sample_problem(layout: Layout, task_type: str, rng: random.Random) -> Problem | None:
+    """A problem of `task_type` in `layout`, or None when the room cannot host that type."""
+    constants, goals, _p = _alfworld()
+    targets = feasible_targets(layout, task_type)
+    if not targets:
+        return None
+    obj, recep = rng.choice(targets)
+    tool, _ability = _TOOL.get(task_type, ("", ""))
+    taken: set[str] = set()
+    placements: dict[str, str] = {}
+    n_target = 2 + rng.randint(0, 1) if task_type == "pick_two_obj_and_place" else rng.randint(1, 2)
+    start_holders = _holders(layout, obj, constants, {recep, tool})
+    for _ in range(n_target):
+        placements[_object_id(obj, rng, taken)] = rng.choice(start_holders)
+    toggle = ""
+    if task_type == "look_at_obj_in_light":
+        toggle = LAMP
+        lamp_holders = [r for h in LAMP_HOLDERS for r in layout.receptacles_of(h)]
+        placements[_object_id(LAMP, rng, taken)] = rng.choice(lamp_holders)
+    others = [o for o in layout.object_types if o != obj and _holders(layout, o, constants, {recep, tool})]
+    for o in rng.sample(others, min(MAX_DISTRACTORS, len(others))):
+        for _ in range(rng.randint(1, 2)):
+            placements[_object_id(o, rng, taken)] = rng.choice(_holders(layout, o, constants, {recep, tool}))
+    template = rng.choice(goals.gdict[task_type]["templates"])
+    description = template.format(obj=obj.lower(), recep=recep.lower(), toggle=toggle.lower(), mrecep="")
+    goal = goals.gdict[task_type]["pddl"].format(obj=obj, recep=recep, toggle=toggle, mrecep="")
+    prob = Problem(task_type, layout.scene, obj, recep, toggle, description, placements)
+    prob.pddl = problem_pddl(layout, prob, goal, constants)
+    return prob
+
+
+def problem_pddl(layout: Layout, prob: Problem, goal: str, constants: Any) -> str:
+    """The PDDL problem text, in the shape and naming of ALFWorld's own `initial_state.pddl` files."""
+    m = mangle
+    objs = sorted(prob.placements)
+    otypes = sorted({o.split("|")[0] for o in objs})
+    rtypes = sorted(layout.receptacle_types)
+    locs = sorted({l for _t, l in layout.receptacles.values()} | {layout.start})
+    typ = {o: o.split("|")[0] for o in objs}
+    init = [f"(atLocation agent1 {m(layout.start)})"]
+    for r, (t, l) in sorted(layout.receptacles.items()):
+        init += [f"(receptacleType {m(r)} {t}Type)", f"(receptacleAtLocation {m(r)} {m(l)})"]
+        if t in constants.OPENABLE_CLASS_SET:
+            init.append(f"(openable {m(r)})")
+    for rt in rtypes:
+        for ot in otypes:
+            if ot in constants.VAL_RECEPTACLE_OBJECTS.get(rt, ()):
+                init.append(f"(canContain {rt}Type {ot}Type)")
+    for o in objs:
+        r = prob.placements[o]
+        init += [f"(objectType {m(o)} {typ[o]}Type)", f"(inReceptacle {m(o)} {m(r)})",
+                 f"(wasInReceptacle {m(o)} {m(r)})", f"(objectAtLocation {m(o)} {m(layout.receptacles[r][1])})"]
+        if typ[o] == LAMP:
+            init.append(f"(toggleable {m(o)})")
+            continue
+        init.append(f"(pickupable {m(o)})")
+        for ability, pred in (("Cleanable", "cleanable"), ("Heatable", "heatable"), ("Coolable", "coolable")):
+            if typ[o] in constants.VAL_ACTION_OBJECTS[ability]:
+                init.append(f"({pred} {m(o)})")
+        if typ[o] in constants.MOVABLE_RECEPTACLES:
+            init.append(f"(isReceptacleObject {m(o)})")
+    decl = (["agent1 - agent"] + [f"{m(o)} - object" for o in objs]
+            + [f"{m(r)} - receptacle" for r in sorted(layout.receptacles)] + [f"{m(l)} - location" for l in locs]
+            + [f"{t}Type - otype" for t in otypes] + [f"{t}Type - rtype" for t in rtypes])
+    sep = "\n        "
+    return (f"\n(define (problem plan_{prob.scene}_{prob.task_type})\n    (:domain alfred)\n"
+            f"    (:objects{sep}{sep.join(decl)}\n    )\n    (:init{sep}{sep.join(init)}\n    )\n"
+            + goal.replace(" # ", " - "))
+
+
+def game_data(prob: Problem) -> dict:
+    """The game file's JSON: ALFWorld's domain and grammar (with the task text), the problem, provenance."""
+    _c, _g, pkg = _alfworld()
+    grammar = (pkg / "data" / "alfred.twl2").read_text().replace("UNKNOWN GOAL", prob.description)
+    return {"pddl_domain": (pkg / "data" / "alfred.pddl").read_text(), "grammar": grammar,
+            "pddl_problem": prob.pddl, "solvable": None, "walkthrough": None,
+            "dreamgym": {"task_type": prob.task_type, "scene": prob.scene, "object_target": prob.object_target,
+                         "parent_target": prob.parent_target, "toggle_target": prob.toggle_target,
+                         "description": prob.description}}
+
+
+def solve(data: dict, max_steps: int = 60) -> list[str] | None:
+    """TextWorld's planner on the game (what `policy_commands` holds at the start): a plan whose replay wins, or None."""
+    # the game engine and ALFWorld's wrappers: optional installs, only when games are generated
+    import textworld
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler  # optional install, only when used
+    from textworld.envs import PddlEnv  # optional install, only when used
+
+    # Demangled as in play, so the walkthrough reads "go to countertop 1", the game's own commands.
+    env = AlfredDemangler(PddlEnv(textworld.EnvInfos(admissible_commands=True)))
+    env.load(data)
+    env.reset()
+    plan = list(env._pddl_state.replan(env._entity_infos) or [])  # once; asking policy_commands replans every step
+    if not plan or len(plan) > max_steps:
+        return None
+    state = None
+    for cmd in plan:
+        state, _score, _done = env.step(cmd)
+    return plan if state is not None and state["won"] else None
+
+
+def game_path(games_dir: str | Path, task_type: str, scene: str, seed: int) -> Path:
+    return Path(games_dir) / f"{task_type}-{scene}-s{seed}{GAME_SUFFIX}"
+
+
+def generate_game(task_type: str, scene: str, seed: int, games_dir: str | Path) -> Path | None:
+    """The solvable game of (task type, scene, seed), generated once then read from the cache; None if the room cannot host it."""
+    out = game_path(games_dir, task_type, scene, seed)
+    if out.exists() and out.stat().st_size > 0:
+        return out
+    rng = random.Random(f"{task_type}/{scene}/{seed}")
+    layout = load_layout(scene)
+    for _ in range(4):  # a placement the planner cannot solve is re-drawn
+        prob = sample_problem(layout, task_type, rng)
+        if prob is None:
+            return None
+        data = game_data(prob)
+        plan = solve(data)
+        if plan is not None:
+            data["solvable"], data["walkthrough"] = True, plan
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(out)  # a crash never leaves half a game
+            return out
+    return None
+
+
+def read_game_meta(path: str | Path) -> dict:
+    return dict(json.loads(Path(path).read_text()).get("dreamgym", {}))
+
+
+def _check_types(names: list[str], what: str) -> list[str]:
+    for t in names:
+        if t not in TASK_TYPES:
+            raise ValueError(f"{what}: unknown ALFWorld task type {t!r}; expected one of {', '.join(TASK_TYPES)}")
+    return list(names)
+
+
+def eligible_scenes(task_type: str, scenes: list[str]) -> list[str]:
+    """The floorplans among `scenes` that can host `task_type` (ALFRED's room types for it, the tools it needs)."""
+    return [s for s in scenes if feasible_targets(load_layout(s), task_type)]
+
+
+def plan_games(n_train: int, n_heldout: int, task_types: list[str], heldout_task_types: list[str] | tuple[str, ...] = (),
+               seed: int = 0) -> list[tuple[str, str, list[str], int]]:
+    """(split, task type, candidate floorplans, seed) slots; task types round-robin.
+
+    Train slots draw from the seen floorplans, held-out slots only from ALFRED's test
+    floorplans; `heldout_task_types` get held-out slots only. A slot's floorplans are
+    the eligible ones of its split in a seeded order (the first is used unless the
+    planner finds no solvable placement there). Slot seeds are `seed*10000 + i` (train)
+    and `seed*10000 + 5000 + i` (held-out), as for TextWorld games.
+    """
+    train_types = _check_types(list(task_types), "task_types")
+    held_types = train_types + [t for t in _check_types(list(heldout_task_types), "heldout_task_types") if t not in train_types]
+    if not train_types and n_train:
+        raise ValueError("no ALFWorld task types given")
+    held_set = heldout_scenes()
+    every = all_scenes()
+    pools = {"train": [s for s in every if s not in held_set], "heldout": [s for s in every if s in held_set]}
+    eligible: dict[tuple[str, str], list[str]] = {}
+    plan = []
+    for split, n, types, base in (("train", n_train, train_types, seed * 10000),
+                                  ("heldout", n_heldout, held_types, seed * 10000 + 5000)):
+        for i in range(n):
+            ttype = types[i % len(types)]
+            if (split, ttype) not in eligible:
+                eligible[split, ttype] = eligible_scenes(ttype, pools[split])
+                if not eligible[split, ttype]:
+                    raise ProblemGenerationError(f"no {split} floorplan can host {ttype}")
+            order = list(eligible[split, ttype])
+            random.Random(f"slot/{split}/{seed}/{i}").shuffle(order)
+            plan.append((split, ttype, order, base + i))
+    return plan
+
+
+def _make_slot(slot: tuple[str, str, list[str], int], games_dir: Path) -> Path:
+    split, ttype, scenes, s = slot
+    for scene in scenes[:MAX_ATTEMPTS]:
+        path = generate_game(ttype, scene, s, games_dir)
+        if path is not None:
+            return path
+    raise ProblemGenerationError(f"no floorplan of the {split} split hosts a solvable {ttype} problem (seed {s})")
+
+
+def make_alfworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, task_types: list[str],
+                        heldout_task_types: list[str] | tuple[str, ...] = (), seed: int = 0, workers: int = 2):
+    """Generate (or load from the cache) games and split them into train and held-out tasks."""
+
+    plan = plan_games(n_train, n_heldout, task_types, heldout_task_types, seed)
+    games_dir = Path(data_dir) / "alfworld" / "games"
+    # Processes: TextWorld's grammar parser is not thread-safe, and the planner is CPU-bound.
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(plan) or 1)), mp_context=mp.get_context("spawn")) as pool:
+        paths = list(pool.map(partial(_make_slot, games_dir=games_dir), plan))
+    tasks = tasks_from_games(paths, [s for (_split, _t, _scenes, s) in plan])
+    return TaskSplits(train=[t for t, p in zip(tasks, plan) if p[0] == "train"],
+                      heldout=[t for t, p in zip(tasks, plan) if p[0] == "heldout"])
+
+
+def tasks_from_games(paths: list[Path], seeds: list[int] | None = None) -> list[Task]:
+    """One Task per generated game file, its instruction and initial state read off a reset."""
+    env = AlfWorldEnv()
+    tasks = []
+    try:
+        for i, path in enumerate(paths):
+            path = Path(path)
+            meta = read_game_meta(path)
+            task = Task(task_id=path.name[: -len(GAME_SUFFIX)], instruction=meta["description"],
+                        family=f"alfworld/{meta['task_type']}", game_file=str(path), seed=seeds[i] if seeds else 0,
+                        meta={"scene": meta["scene"], "task_type": meta["task_type"]})
+            state, _info = env.reset_sync(task)
+            task.instruction, task.initial_state = env.objective, state
+            tasks.append(task)
+    finally:
+        env.close_sync()
+    return tasks

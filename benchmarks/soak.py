@@ -1,0 +1,163 @@
+"""Soak: run `dreamgym train` for N minutes and measure whether memory grows.
+
+Runs the real loop as a child process (real TextWorld games, a rollout worker, the
+embedded engine, the learner, checkpoints and acks after them, on a Redis this script
+starts with appendonly), with stand-ins for speed: a tiny random-initialised Llama that
+carries SmolLM2's tokenizer serves the policy and trains (the same code paths at a
+thousandth of the cost), PPO so that every trajectory trains, and no evaluation.
+Every `--every` seconds it samples the RSS of each process of the job (the driver and
+any child) and Redis's `used_memory`, then prints each series' least-squares slope in
+MB/min, fitted after the first `--warmup` fraction of the run (model loading, caches
+filling up). Issue 12's goal: flat, under 1 MB/min over 30 minutes.
+
+    python benchmarks/soak.py --minutes 2           # a quick look
+    python benchmarks/soak.py --minutes 30 --json soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import redis
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from infra.engine.models import load_tokenizer  # noqa: E402
+from infra.redis_server import EmbeddedRedis  # noqa: E402
+from infra.streams import trajectories_stream  # noqa: E402
+
+
+def tiny_model(out: Path) -> Path:
+    torch.manual_seed(0)
+    tok = load_tokenizer("smollm2")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, bytes) in MB per minute."""
+    if len(samples) < 2:
+        return float("nan")
+    n = len(samples)
+    mx = sum(t for t, _ in samples) / n
+    my = sum(v for _, v in samples) / n
+    var = sum((t - mx) ** 2 for t, _ in samples)
+    if var == 0:
+        return float("nan")
+    cov = sum((t - mx) * (v - my) for t, v in samples)
+    return cov / var * 60 / 1e6
+
+
+def job_processes(root: psutil.Process) -> dict[str, psutil.Process]:
+    procs = {"driver": root}
+    try:
+        for child in root.children(recursive=True):
+            procs[f"{child.name()}-{child.pid}"] = child
+    except psutil.NoSuchProcess:
+        pass
+    return procs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=2.0, help="how long the loop runs (default: %(default)s)")
+    p.add_argument("--every", type=float, default=5.0, help="seconds between samples (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=0.25, help="fraction of the run left out of the fit")
+    p.add_argument("--workdir", default="", help="keep runs and data here (default: a temporary directory)")
+    p.add_argument("--data-dir", default="", help="games and offline data (default: <workdir>/data; reuse one to skip building them)")
+    p.add_argument("--json", default="", help="also write the samples and slopes to this file")
+    args = p.parse_args()
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="dreamgym-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "tiny-llama"
+    if not (model / "config.json").exists():
+        tiny_model(model)
+    budget_s = args.minutes * 60
+    name = "soak"
+    with EmbeddedRedis(data_dir=work / "redis", appendonly=True) as server:
+        overrides = [
+            f"infra.run_dir={work / 'runs'}", f"infra.data_dir={args.data_dir or work / 'data'}", f"infra.redis_url={server.url}",
+            f"infra.train_budget_s={budget_s}", f"engines.model={model}", "engines.max_batch_size=8",
+            "data.textworld_games=2", "data.textworld_heldout=1", "data.textworld_families=[custom]",
+            "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1", "data.max_steps=4",
+            "actors.env_kind=real", "actors.num_workers=2", "actors.group_size=2", "actors.concurrent_episodes=4",
+            "actors.max_steps=3", "learner.algo=ppo", "learner.groups_per_update=2", "learner.max_staleness=1000",
+            "learner.checkpoint_every=5", "learner.keep_weights=1", "learner.keep_checkpoints=1",
+            "learner.total_updates=1000000", "curriculum.variants_per_seed=0", "evaluation.before=false"]
+        cmd = [sys.executable, "-m", "infra.cli", "train", "--no-eval", "--name", name, *overrides]
+        log = open(work / "train.log", "ab")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        root = psutil.Process(proc.pid)
+        client = redis.Redis.from_url(server.url)
+        redis_proc = psutil.Process(server.proc.pid)
+        stream = trajectories_stream(f"dreamgym:{name}")
+        series: dict[str, list[tuple[float, float]]] = {}
+        t0 = None
+        try:
+            while proc.poll() is None:
+                time.sleep(args.every)
+                if t0 is None:  # the clock starts when the learner is running (first update's file)
+                    if not (work / "runs" / name / "learner_inflight.json").exists():
+                        continue
+                    t0 = time.monotonic()
+                t = time.monotonic() - t0
+                for label, pr in job_processes(root).items():
+                    try:
+                        series.setdefault(f"rss {label}", []).append((t, pr.memory_info().rss))
+                    except psutil.NoSuchProcess:
+                        pass
+                series.setdefault("rss redis-server", []).append((t, redis_proc.memory_info().rss))
+                series.setdefault("redis used_memory", []).append((t, client.info("memory")["used_memory"]))
+                series.setdefault("stream length", []).append((t, client.xlen(stream) * 1e6))  # counted as "MB"
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+            client.close()
+        summary_path = work / "runs" / name / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+
+    rows = []
+    for label, samples in series.items():
+        cut = max(1, int(len(samples) * args.warmup))
+        fit = samples[cut:]
+        unit = "entries/min" if label == "stream length" else "MB/min"
+        first, last = samples[0][1], samples[-1][1]
+        scale = 1 if label == "stream length" else 1e6
+        rows.append({"series": label, "samples": len(samples), "first": round(first / scale, 1),
+                     "last": round(last / scale, 1), "slope": round(slope_mb_per_min(fit), 3), "unit": unit})
+    print(f"soak: {args.minutes:g} min, exit {rc}, {summary.get('updates', '?')} updates, "
+          f"{summary.get('trajectories_trained', '?')} trajectories trained, "
+          f"{summary.get('trajectories_pushed', '?')} pushed; slopes fitted after the first {args.warmup:.0%}")
+    print(f"{'series':32} {'samples':>7} {'first':>10} {'last':>10} {'slope':>10}")
+    for r in rows:
+        print(f"{r['series']:32} {r['samples']:7d} {r['first']:10.1f} {r['last']:10.1f} {r['slope']:10.3f} {r['unit']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"minutes": args.minutes, "rc": rc, "summary": {
+            k: summary.get(k) for k in ("updates", "trajectories_trained", "trajectories_pushed")},
+            "slopes": rows, "samples": series}, indent=1))
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

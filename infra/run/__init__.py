@@ -1,0 +1,13 @@
+"""The application: `dreamgym train` and the services, workers and reports around it.
+
+- driver.py     `dreamgym train`: the run, in the order of the architecture diagram
+- artifacts.py  what a run builds once and caches on disk (task splits, offline data, Mexp and policy checkpoints)
+- services.py   one async context manager owning Redis, the engines, the replay buffer and the Ray fleet
+- workers.py    building rollout workers (one way for the local and the Ray path), the elastic pool, autoscaling
+- scale.py      `dreamgym scale`
+- report.py     the run's time series, plots, summary.json, the progress bar and the final table
+- status.py     `dreamgym status`
+- cluster/      Ray at the edges: the thin actor wrappers and the runtime
+
+The only place in infra/ (with infra/cli.py) that imports actors/, simulator/ and learner/.
+"""

@@ -1,0 +1,104 @@
+"""What a run builds once and caches on disk: task splits and offline data, the Mexp checkpoint, the warm-started policy.
+
+Owns "collect or reuse" and "train or load", so the driver reads like the
+architecture diagram. Each artifact is cached where it is expensive, keyed by the
+content of the settings that shape it (so an ablation never reuses an artifact made
+with another setting): the task splits and offline trajectories under `<data_dir>`,
+stamped with their settings' key (actors/dataset.py) and rebuilt when it differs; the
+Mexp SFT checkpoint under `<data_dir>/mexp/<family>-<key>` and the warm-started policy
+under `<data_dir>/policy-warm/<family>-<key>` (learner/mexp_sft.py and
+learner/policy_sft.py say what each key covers; one cache-or-build rule for both,
+`cached_model`); MiniLM embeddings in a sqlite cache (`embedding_cache`). A second
+run with the same settings therefore skips straight to RL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from actors.collect import collect
+from actors.dataset import offline_settings, read_trajectories, stamp_matches, trajectories_path, write_stamp, write_trajectories
+from actors.envs.registry import canonical_family, load_or_make_splits
+from infra.config import Config
+from learner import mexp_sft, policy_sft
+
+log = logging.getLogger(__name__)
+
+
+def say(console: Any, text: str) -> None:
+    """A progress line on the run's console, or in the log when there is none."""
+    if console is not None:
+        console.print(text)
+    else:
+        log.info(text)
+
+
+def embedding_cache(cfg: Config) -> Path:
+    """The MiniLM embedding cache shared with `dreamgym train-mexp` (same texts, embedded once)."""
+    return Path(cfg.infra.data_dir) / ".cache" / "embeddings.sqlite"
+
+
+def prepare_data(cfg: Config, console: Any = None) -> tuple[Any, list]:
+    """(task splits, offline trajectories): read from `<data_dir>`, or generate/collect them once."""
+    family = canonical_family(cfg.actors.env_family)
+    t0 = time.perf_counter()
+    splits = load_or_make_splits(family, cfg.data, cfg.infra.data_dir, seed=cfg.infra.seed)
+    path = trajectories_path(cfg.infra.data_dir, family)
+    settings = {**offline_settings(family, cfg.data, cfg.infra.seed), "limit": 0}  # as `dreamgym collect` stamps it
+    if stamp_matches(path, settings):
+        offline = list(read_trajectories(path))
+        say(console, f"reusing {len(offline)} offline trajectories from {path}")
+    else:
+        say(console, f"collecting offline {family} trajectories on {len(splits.train)} train tasks ...")
+        offline = collect(family, splits.train, list(cfg.data.policies), cfg.data.episodes_per_task,
+                          cfg.data.noise_eps, cfg.data.max_steps, cfg.data.workers, seed=cfg.infra.seed)
+        write_trajectories(path, offline)
+        write_stamp(path, settings)
+    say(console, f"data: {len(splits.train)} train / {len(splits.heldout)} held-out tasks, "
+                 f"{len(offline)} offline trajectories ({time.perf_counter() - t0:.1f} s)")
+    return splits, offline
+
+
+def cached_model(cache: Path, what: str, build: Callable[[Path], str], console: Any = None) -> str:
+    """The model directory `cache`: reused when it holds a model, else written there by `build(cache)`
+    (which returns a few words on how it went)."""
+    if (cache / "config.json").exists():
+        say(console, f"reusing the {what} {cache}")
+        return str(cache)
+    t0 = time.perf_counter()
+    say(console, f"building the {what} ...")
+    note = build(cache)
+    say(console, f"{what} done ({time.perf_counter() - t0:.0f} s{', ' + note if note else ''}): {cache}")
+    return str(cache)
+
+
+def mexp_checkpoint(cfg: Config, offline: list, console: Any = None) -> str:
+    """The Mexp weights: `simulator.checkpoint`, else the cached SFT checkpoint, else a short SFT now."""
+    if cfg.simulator.checkpoint:
+        return cfg.simulator.checkpoint
+
+    def sft(cache: Path) -> str:
+        report = mexp_sft.run_sft(cfg.simulator, cfg.infra.data_dir, cache, cfg.actors.env_family, cfg.infra.seed)
+        before = report.get("before", {}).get("loss_all", float("nan"))
+        after = report.get("after", {}).get("loss_all")
+        return (f"{report['train_examples']} examples, held-out loss {before:.3f} -> "
+                f"{after if after is not None else float('nan'):.3f}")
+
+    return cached_model(mexp_sft.cache_dir(cfg),
+                        f"Mexp SFT checkpoint ({len(offline)} offline trajectories)", sft, console)
+
+
+def policy_start(cfg: Config, offline: list, console: Any = None) -> str:
+    """The weights RL starts from: the base model, or a supervised warm start on expert steps when configured."""
+    if cfg.learner.warm_start_steps <= 0:
+        return cfg.engines.model
+
+    def warm_start(cache: Path) -> str:
+        policy_sft.warm_start(cfg, offline, cache)
+        return f"{cfg.learner.warm_start_steps} steps"
+
+    return cached_model(policy_sft.cache_dir(cfg), "warm-started policy",
+                        warm_start, console)

@@ -1,0 +1,105 @@
+"""Inference engines as Ray actors: an SGLang server on a labelled GPU node, or the embedded engine.
+
+Thin wrappers only. `SGLangEngineActor` runs `infra.engine.sglang.SGLangLauncher`
+(start, wait for /health, restart on death) on the node that advertises the
+configured resource label; `EmbeddedEngineActor` runs `start_embedded_engine` on the
+actor's own event loop. Both answer `url()`, which is what `EngineClient` needs:
+the engines are reached over HTTP, never through Ray calls, so the same client code
+works with engines started by hand. Both bind `engines.host` (loopback unless set,
+e.g. to 0.0.0.0 when workers on other nodes must reach them) and require
+`engines.api_key` when it is set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from infra.config import EngineConfig
+from infra.engine.server import start_embedded_engine
+from infra.engine.sglang import SGLangLauncher
+
+
+def _advertised(bound: str) -> str:
+    """The address clients use: the node's IP when bound to every interface, else the bound one."""
+    return ray.util.get_node_ip_address() if bound in ("0.0.0.0", "::") else bound
+
+
+@ray.remote(max_restarts=0)
+class SGLangEngineActor:
+    """One supervised SGLang server on this actor's node (guarded: fails clearly without sglang)."""
+
+    def __init__(self, engine_cfg: dict, model_path: str | None = None, port: int | None = None):
+        cfg = EngineConfig(**engine_cfg)
+        self.launcher = SGLangLauncher(cfg, model_path, port, host=cfg.host, advertise_host=_advertised(cfg.host))
+
+    def start(self) -> str:
+        return self.launcher.start(supervise=True)
+
+    def url(self) -> str:
+        return self.launcher.url
+
+    def restarts(self) -> int:
+        return self.launcher.supervisor.restarts
+
+    def stop(self) -> None:
+        self.launcher.stop()
+
+
+@ray.remote(max_restarts=0)
+class EmbeddedEngineActor:
+    """The embedded engine (transformers, continuous batching) served from inside an async actor."""
+
+    def __init__(self, engine_cfg: dict, model: str | None = None, host: str | None = None,
+                 weights_roots: list[str] | None = None):
+        self.cfg = EngineConfig(**engine_cfg)
+        self.model = model or self.cfg.model
+        self.host = host or self.cfg.host
+        self.weights_roots = weights_roots
+        self.handle = None
+
+    async def start(self) -> str:
+        if self.handle is None:
+            self.handle = await start_embedded_engine(self.model, self.host, 0, self.cfg.max_batch_size, self.cfg.dtype,
+                                                      default_max_new_tokens=self.cfg.max_new_tokens,
+                                                      device=self.cfg.device, engine_cfg=self.cfg,
+                                                      weights_roots=self.weights_roots)
+        return await self.url()
+
+    async def url(self) -> str:
+        port = self.handle.url.rsplit(":", 1)[1]
+        return f"http://{_advertised(self.host)}:{port}"
+
+    async def stop(self) -> None:
+        if self.handle is not None:
+            await self.handle.stop()
+            self.handle = None
+
+
+def sglang_actor_options(cfg: EngineConfig, cluster_resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Placement for an SGLang actor: the configured node label (when the cluster has it) and tp_size GPUs."""
+    opts: dict[str, Any] = {"num_gpus": cfg.sglang_tp_size, "num_cpus": 1}
+    label = cfg.sglang_resource
+    if label and (cluster_resources is None or cluster_resources.get(label, 0) > 0):
+        opts["resources"] = {label: 1}
+    return opts
+
+
+def start_sglang_engine(cfg: EngineConfig, model_path: str | None = None, port: int | None = None,
+                        cluster_resources: dict[str, float] | None = None) -> tuple[Any, str]:
+    """Place an SGLangEngineActor by label, start its server; returns (actor, url)."""
+    actor = SGLangEngineActor.options(**sglang_actor_options(cfg, cluster_resources)).remote(asdict(cfg), model_path, port)
+    return actor, ray.get(actor.start.remote())
+
+
+def start_embedded_engine_actor(cfg: EngineConfig, model: str | None = None, num_cpus: float = 1.0,
+                                resources: dict[str, float] | None = None,
+                                weights_roots: list[str] | None = None) -> tuple[Any, str]:
+    """Start an EmbeddedEngineActor bound to `cfg.host`; returns (actor, url)."""
+    opts: dict[str, Any] = {"num_cpus": num_cpus}
+    if resources:
+        opts["resources"] = resources
+    actor = EmbeddedEngineActor.options(**opts).remote(asdict(cfg), model, None, weights_roots)
+    return actor, ray.get(actor.start.remote())

@@ -1,0 +1,102 @@
+"""The Ray runtime: starting or joining Ray, and where each role's actors go.
+
+Owns `ray.init` and placement. Placement is by custom resource labels, one per role,
+so heterogeneous nodes advertise what they are for (`ray start --resources
+'{"mexp_gpu": 1}'` on an SGLang node with a big GPU, `{"learner_gpu": 1}` on the
+training node, `{"rollout_cpu": 16}` on CPU boxes). A role asks for its label only
+when the cluster advertises it, so a plain single machine needs no labels.
+
+Ray 2.60 notes: token auth is on by default and every node must agree
+on RAY_AUTH_MODE (we never change it; we pass the driver's value on to workers via
+the inherited environment, and refuse a local start if it differs from
+`auth_mode` when one is given); a local node must be given explicit memory and
+object-store sizes, else each node started on one machine claims all the RAM. With no
+address (and no RAY_ADDRESS) we start a fresh local runtime, never a stale one we find.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+
+from infra import metrics
+
+log = logging.getLogger(__name__)
+
+# role -> the custom resource a node advertises for it
+ROLE_RESOURCES: dict[str, dict[str, float]] = {
+    "mexp": {"mexp_gpu": 1},
+    "policy": {"policy_gpu": 1},
+    "learner": {"learner_gpu": 1},
+    "rollout": {"rollout_cpu": 1},
+    "buffer": {},
+    "scheduler": {},
+}
+
+LOCAL_MEMORY_BYTES = 4 * 1024 ** 3
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024 ** 2
+
+
+def init_ray(address: str = "", num_cpus: int | None = None, memory_bytes: int = LOCAL_MEMORY_BYTES,
+             object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES, resources: dict[str, float] | None = None,
+             auth_mode: str | None = None, namespace: str = "dreamgym") -> dict:
+    """Join `address` (a running cluster) or start a small local runtime; returns the cluster's resources."""
+    if auth_mode is not None:
+        current = os.environ.get("RAY_AUTH_MODE")
+        if current is not None and current != auth_mode:
+            raise RuntimeError(f"RAY_AUTH_MODE={current!r} but auth_mode={auth_mode!r}: every node must agree")
+        os.environ["RAY_AUTH_MODE"] = auth_mode
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": False, "include_dashboard": False}
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        # "local" always starts a fresh runtime: without it ray.init() joins whatever cluster
+        # /tmp/ray/ray_current_cluster names, e.g. one left behind by a killed `dreamgym train`.
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), _memory=memory_bytes, object_store_memory=object_store_bytes,
+                 resources=resources or {}, **kwargs)
+    res = ray.cluster_resources()
+    log.info("ray up: %s", {k: v for k, v in res.items() if not k.startswith("node:")})
+    return res
+
+
+def shutdown_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def placement_options(role: str, cluster_resources: dict[str, float] | None = None,
+                      override: dict[str, float] | None = None, num_cpus: float = 0.5) -> dict:
+    """`.options(...)` for an actor of `role`: its label when the cluster has it (or `override`), and its CPU share."""
+    if role not in ROLE_RESOURCES:
+        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLE_RESOURCES)}")
+    wanted = dict(override) if override else dict(ROLE_RESOURCES[role])
+    if cluster_resources is not None and not override:
+        wanted = {k: v for k, v in wanted.items() if cluster_resources.get(k, 0) > 0}
+    opts: dict[str, Any] = {"num_cpus": num_cpus}
+    if wanted:
+        opts["resources"] = wanted
+    return opts
+
+
+def node_of_actor(handle: Any) -> str:
+    """The node id an actor runs on (for placement checks)."""
+    return ray.get(handle.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+_ACTOR_METRICS: dict[str, Any] = {}  # this actor process's /metrics server, started once
+
+
+def serve_actor_metrics(host: str = "127.0.0.1") -> str:
+    """Serve this actor process's own registry on a free port of `host`; returns the host:port
+    Prometheus reaches it at (a wildcard bind advertises the node's IP). Idempotent per process."""
+    if "address" not in _ACTOR_METRICS:
+        server = metrics.serve_metrics(0, host)
+        shown = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "") else host
+        _ACTOR_METRICS.update(server=server, address=f"{shown}:{server.port}")
+    return _ACTOR_METRICS["address"]

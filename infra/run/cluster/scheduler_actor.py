@@ -1,0 +1,88 @@
+"""The curriculum scheduler as a Ray actor: a thin async wrapper, nothing else.
+
+The actor builds its Redis client (the run's URL, password included, and its TLS CA)
+and (optionally) its Mtask variant source inside its own process, the variant source from a factory (a plain callable shipped by Ray,
+which may return an awaitable: it usually opens an EngineClient and loads a
+tokenizer), then runs simulator/curriculum.CurriculumScheduler on the actor's event
+loop. Tasks cross the wire schema-encoded; `state_dict` is plain data the learner
+saves in its checkpoints and hands back to `load_state_dict` on --resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import ray
+
+from infra.config import CurriculumConfig
+from infra.run.cluster.runtime import serve_actor_metrics
+from infra.schema import Task, decode_as, encode
+from infra.streams import connect
+from simulator.curriculum import CurriculumScheduler
+
+
+@ray.remote
+class SchedulerActor:
+    def __init__(self, redis_url: str, prefix: str, curriculum_cfg: dict, seeds: list[bytes],
+                 make_variants: Callable[[], Any] | None = None, seed: int = 0, stream_maxlen: int = 100_000,
+                 limit: int | None = None, redis_tls_ca: str = ""):
+        self.args = (redis_url, prefix, CurriculumConfig(**curriculum_cfg), [decode_as(s, Task) for s in seeds],
+                     make_variants, seed, stream_maxlen, limit)
+        self.redis_tls_ca = redis_tls_ca
+        self.scheduler: CurriculumScheduler | None = None
+        self._stop = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    async def _ready(self) -> CurriculumScheduler:
+        async with self._lock:
+            if self.scheduler is None:
+                url, prefix, cfg, seeds, make_variants, seed, maxlen, limit = self.args
+                variants = make_variants() if make_variants is not None and cfg.enabled else None
+                if inspect.isawaitable(variants):
+                    variants = await variants
+                self.scheduler = CurriculumScheduler(connect(url, self.redis_tls_ca), cfg, prefix, seeds, variants, seed,
+                                                     maxlen, limit)
+                await self.scheduler.start()
+            return self.scheduler
+
+    async def run(self) -> dict:
+        """Push task batches until stop() (or the limit); returns the final status."""
+        sched = await self._ready()
+        await sched.run(self._stop)
+        return await self.status()
+
+    async def stop(self) -> None:
+        self._stop.set()
+
+    async def serve_metrics(self, host: str) -> str:
+        """Serve this actor's own metrics (pool size, generated share, V_tau) on a free port; host:port."""
+        return serve_actor_metrics(host)
+
+    async def next_batch(self) -> list[bytes]:
+        return [encode(t) for t in await (await self._ready()).next_batch()]
+
+    async def generate_round(self) -> list[bytes]:
+        return [encode(t) for t in await (await self._ready()).generate_round()]
+
+    async def state_dict(self) -> dict:
+        return (await self._ready()).state_dict()
+
+    async def load_state_dict(self, state: dict) -> None:
+        await (await self._ready()).load_state_dict(state)
+
+    async def status(self) -> dict:
+        s = await self._ready()
+        return {"pool": len(s.pool), "generated": len(s.pool.generated()), "batches": s.batches,
+                "handed_out": s.handed_out, "generated_handed_out": s.generated_handed_out}
+
+
+def spawn_scheduler(redis_url: str, prefix: str, cfg: CurriculumConfig, seeds: list[Task],
+                    make_variants: Callable[[], Any] | None = None, seed: int = 0, options: dict | None = None,
+                    **kw: Any) -> Any:
+    """Create the named scheduler actor (one per run); returns its handle. `kw` reaches the actor
+    (stream_maxlen, limit, redis_tls_ca)."""
+    return SchedulerActor.options(name=f"curriculum-{prefix}", **(options or {})).remote(
+        redis_url, prefix, dataclasses.asdict(cfg), [encode(t) for t in seeds], make_variants, seed, **kw)

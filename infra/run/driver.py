@@ -1,0 +1,317 @@
+"""`dreamgym train`: start everything, train the policy in DreamGym, evaluate on real tasks.
+
+`train()` reads like the architecture diagram:
+
+    curriculum ──tasks──▶ rollout workers ──trajectories──▶ learner ──weights──▶ policy engine
+                            │      ▲                            (every publish_every updates)
+                            ▼      │ replay buffer (top-k grounding, grows with synthetic steps)
+                       synthetic env ── Mexp engine
+
+data (collect or reuse, infra/run/artifacts.py) → the replay buffer (seeded, or
+reopened on --resume) → Mexp (SFT or cached checkpoint) → engines (embedded unless
+endpoints are configured) → Mexp's fidelity on held-out real steps → held-out REAL
+evaluation → the RL phases (`rl_plan`), in each of which GRPO/PPO updates while N
+rollout workers play the curriculum's tasks (async, or `--sync`: roll out, then
+train) → held-out REAL evaluation → plots, summary.json, table (infra/run/report.py).
+
+The phases: DreamGym (synthetic environments); the real-environment baseline
+(`actors.env_kind=real`, within an exact budget of real transitions,
+`actors.real_transitions`); sim-to-real (DreamGym, then the same learner in the real
+environment for `learner.s2r_real_transitions`). `learner.total_updates=0` runs no
+phase and only evaluates the starting policy (the base and SFT regimes of
+`dreamgym experiment`); runs without a synthetic phase start neither the replay
+buffer nor Mexp, unless `simulator.fidelity_every` asks for the live fidelity probe
+(simulator/fidelity.FidelityProbe: every N updates, held-out real steps replayed
+through Mexp, exported as gauges). With `infra.metrics_port` set every process
+serves /metrics and the run lists them for Prometheus (infra/run/monitoring.py). Redis,
+the engines, the buffer and the workers are owned by one context manager
+(infra/run/services.py). Redis is embedded unless `infra.redis_url` is set;
+`dreamgym scale --workers N` resizes the worker pool live; rollout workers run on
+this process's event loop, or as Ray actors with `actors.runtime=ray`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from rich.console import Console
+
+from actors.evaluate import choice_policy_chooser, evaluate
+from actors.policy import ChoicePolicy
+from infra.budget import StepBudget
+from infra.config import Config, add_config_arguments, config_from_args
+from infra.run import artifacts, report
+from infra.run.monitoring import record_success_gap
+from infra.run.services import Services
+from infra.run.workers import WorkerPool
+from infra.schema import Trajectory, decode_as, encode
+from infra.streams import (LEARNER_GROUP, StreamConsumer, StreamProducer, stream_backlog, tasks_stream,
+                           trajectories_stream)
+from learner.learner import Learner
+from learner.weights import WeightPublisher
+from simulator.curriculum import CurriculumScheduler
+from simulator.embedder import Embedder
+from simulator.fidelity import FidelityProbe, export_fidelity, replay_heldout
+from simulator.mexp_data import split_trajectories
+from simulator.task_variants import TaskVariantGenerator
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p, default="configs/quickstart.yaml")
+    p.add_argument("--name", default="", help="run name: runs/<name>/ (default: quickstart__<algo>__<seed>__<time>)")
+    p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
+    p.add_argument("--sync", action="store_true", help="synchronous mode: roll out, then train (no overlap)")
+    p.add_argument("--no-eval", action="store_true", help="skip the held-out real evaluations")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if args.sync:
+        cfg.learner.sync = True
+    if args.resume and not args.name:
+        raise SystemExit("--resume needs --name of the run to continue")
+    name = args.name or f"quickstart__{cfg.learner.algo}__{cfg.infra.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
+    asyncio.run(train(cfg, name, resume=args.resume, evaluate=not args.no_eval))
+    return 0
+
+
+async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = True) -> dict:
+    """The whole run; returns its summary (also written to runs/<name>/summary.json)."""
+    console, t_start = Console(), time.time()
+    plan = rl_plan(cfg)
+    dreamgym = any(c.actors.env_kind == "synthetic" for c, _, _ in plan)
+    live_fidelity = bool(plan) and cfg.simulator.fidelity_every > 0
+    async with Services(cfg, name, console, resume=resume) as svc:
+        splits, offline = artifacts.prepare_data(cfg, console)
+        mexp_model = None
+        if dreamgym:  # the replay buffer and the experience model
+            svc.open_buffer(offline)
+        if dreamgym or live_fidelity:
+            mexp_model = artifacts.mexp_checkpoint(cfg, offline, console)
+        policy_model = artifacts.policy_start(cfg, offline, console)
+        await svc.start_engines(mexp_model, policy_model)
+        learner, curriculum = await make_trainer(cfg, svc, policy_model, splits.train, resume) if plan else (None, None)
+        fidelity = await fidelity_check(cfg, svc, offline, console) if dreamgym else None
+        before = await heldout_eval(cfg, svc, splits.heldout, "before", console) \
+            if evaluate and plan and cfg.evaluation.before else None
+
+        probe = fidelity_probe(cfg, svc, offline) if live_fidelity else None
+        history, phases = report.RunHistory(), []
+        try:
+            for phase_cfg, label, until in plan:
+                phases.append(await rl_phase(phase_cfg, svc, learner, curriculum, history, label, until, console,
+                                             probe))
+        finally:
+            if probe is not None:
+                await probe.wait()
+                probe.close()
+        history.end()
+        if learner is not None:
+            await learner.finish()
+        after = await heldout_eval(cfg, svc, splits.heldout, "after", console) if evaluate else None
+        record_success_gap(history.rows[-1].get("success_rate") if history.rows else None, after)
+
+        summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
+                                 offline, fidelity)
+        return report.write_report(svc.run_dir, summary, history, console)
+
+
+def rl_plan(cfg: Config) -> list[tuple[Config, str, int]]:
+    """The RL phases of a run: (the config its workers follow, a label, the update count it runs up to).
+
+    DreamGym trains in the synthetic environment; the real-environment baseline in the real one,
+    within `actors.real_transitions`; sim-to-real trains in DreamGym, then continues the same
+    learner in the real environment for exactly `learner.s2r_real_transitions` transitions.
+    `learner.total_updates=0` plans nothing: the starting policy is only evaluated (the base and
+    SFT regimes)."""
+    lc = cfg.learner
+    if lc.total_updates == 0:
+        return []
+    plan = [(cfg, "DreamGym" if cfg.actors.env_kind == "synthetic" else "real env", lc.total_updates)]
+    if lc.s2r_real_transitions and cfg.actors.env_kind == "synthetic":
+        real = dataclasses.replace(cfg, actors=dataclasses.replace(cfg.actors, env_kind="real",
+                                                                   real_transitions=lc.s2r_real_transitions))
+        plan.append((real, "sim-to-real: real env", lc.total_updates + (lc.s2r_max_updates or 1_000_000)))
+    return plan
+
+
+async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: CurriculumScheduler,
+                   history: report.RunHistory, label: str, until: int, console: Any,
+                   probe: FidelityProbe | None = None) -> dict:
+    """Workers play the curriculum's tasks in `cfg.actors.env_kind` environments while the learner
+    updates, until `until` updates, the wall-clock budget, or (real rollouts) the spent transition budget.
+    `probe`: the live fidelity probe, started after every `simulator.fidelity_every` updates."""
+    t0, updates0 = time.time(), learner.updates
+    real = StepBudget(svc.client, svc.prefix, cfg.actors.real_transitions) if cfg.actors.env_kind == "real" else None
+    curriculum.real_only = real is not None
+    stop = budget(cfg.infra.train_budget_s)
+    with report.training_progress(console, cfg, learner, history, label, until) as record:
+        def on_update(s: Any) -> None:
+            record(s)
+            if probe is not None:
+                probe.after_update(learner.updates, learner.version)
+
+        async with svc.workers(cfg) as pool, task_feed(cfg, curriculum, learner, pool, svc) as before_step:
+            watch = asyncio.create_task(real.wait_spent(stop)) if real is not None and real.limit else None
+            await learner.run(until, on_update=on_update, stop=stop, before_step=before_step)
+            if watch is not None and watch.done() and watch.result():  # spent: train on what it bought
+                await pool.retire()
+                while learner.updates < until and (s := await learner.step(final=True)) is not None:
+                    on_update(s)
+            if watch is not None:
+                watch.cancel()
+    spent = real is not None and await real.spent()
+    if stop.is_set() and not spent and learner.updates < until:
+        console.print(f"[yellow]{label}: train budget of {cfg.infra.train_budget_s:.0f} s spent after "
+                      f"{learner.updates} updates[/]")
+    steps = sum(w.get("steps_taken", 0) for w in pool.retired)
+    return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": learner.updates - updates0,
+            "real_transitions": await real.used() if real is not None else 0,
+            "synthetic_transitions": steps if real is None else 0,
+            "trajectories_pushed": sum(w.get("trajectories_pushed", 0) for w in pool.retired),
+            "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1)}
+
+
+async def fidelity_check(cfg: Config, svc: Services, offline: list, console: Any) -> dict | None:
+    """Mexp's reward accuracy and ΔR on held-out real steps before RL (simulator.fidelity_check_steps);
+    a Mexp below simulator.min_reward_accuracy is reported loudly, since the paper's bound ties real
+    improvement to the model's reward error."""
+    n = cfg.simulator.fidelity_check_steps
+    if not n or cfg.actors.env_kind != "synthetic":
+        return None
+    train_trajs, held_trajs = split_trajectories(offline, cfg.simulator.heldout_frac, cfg.infra.data_dir,
+                                                 cfg.actors.env_family)
+    t0 = time.perf_counter()
+    result = await replay_heldout(svc.mexp, cfg.simulator, svc.tokenizer, train_trajs, held_trajs,
+                                  getattr(svc.buffer, "embedder", None) or Embedder(
+                                      cache_path=artifacts.embedding_cache(cfg)), max_steps=n)
+    s = result["full"]["summary"]
+    if not s.get("steps"):
+        console.print("[yellow]Mexp fidelity check: no held-out real steps to replay[/]")
+        return None
+    ok = s["reward_accuracy"] >= cfg.simulator.min_reward_accuracy
+    line = (f"Mexp fidelity on {s['steps']} held-out real steps: reward accuracy {s['reward_accuracy']:.2f}, "
+            f"ΔR {s['delta_r_mean']:.3f}, parse failures {s['parse_failure_rate']:.2f} "
+            f"({time.perf_counter() - t0:.0f} s)")
+    export_fidelity(s)
+    console.print(line if ok else f"[bold red]WARNING: {line}: below simulator.min_reward_accuracy="
+                                   f"{cfg.simulator.min_reward_accuracy}; synthetic rewards are unreliable and "
+                                   f"RL in DreamGym may learn the simulator's mistakes[/]")
+    return {**{k: s[k] for k in ("steps", "reward_accuracy", "delta_r_mean", "done_accuracy",
+                                  "parse_failure_rate", "item_recall", "token_f1") if k in s},
+            "below_threshold": not ok}
+
+
+def fidelity_probe(cfg: Config, svc: Services, offline: list) -> FidelityProbe | None:
+    """The live fidelity probe on the run's Mexp: `simulator.fidelity_probe_steps` held-out real steps
+    (the same task split as Mexp's SFT), or None when there is no Mexp or no held-out step."""
+    if svc.mexp is None:
+        return None
+    train_trajs, held_trajs = split_trajectories(offline, cfg.simulator.heldout_frac, cfg.infra.data_dir,
+                                                 cfg.actors.env_family)
+    probe = FidelityProbe(svc.mexp, cfg.simulator, svc.tokenizer, train_trajs, held_trajs,
+                          getattr(svc.buffer, "embedder", None) or Embedder(cache_path=artifacts.embedding_cache(cfg)),
+                          cfg.simulator.fidelity_probe_steps, cfg.simulator.fidelity_every)
+    if not probe.examples:
+        probe.close()
+        return None
+    return probe
+
+
+def budget(seconds: float) -> asyncio.Event:
+    """An event set once `seconds` of wall time have passed (never, for 0)."""
+    stop = asyncio.Event()
+    if seconds > 0:
+        asyncio.get_running_loop().call_later(seconds, stop.set)
+    return stop
+
+
+async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, console: Any = None) -> dict:
+    """The served policy on held-out REAL tasks (greedy unless `evaluation.temperature`); the EvalReport as a dict."""
+    ev = cfg.evaluation
+    chooser = choice_policy_chooser(ChoicePolicy(svc.policy, svc.tokenizer, temperature=ev.temperature,
+                                                 seed=cfg.infra.seed, multi_turn=cfg.actors.multi_turn,
+                                                 max_chat_chars=cfg.actors.chat_max_chars))
+    t0 = time.perf_counter()
+    result = await evaluate(chooser, tasks, cfg.actors.env_family, max_steps=ev.max_steps or cfg.data.max_steps,
+                            episodes_per_task=ev.episodes, concurrency=min(ev.concurrency, max(1, len(tasks))),
+                            policy_name=label)
+    d = result.to_dict()
+    artifacts.say(console, f"held-out real {cfg.actors.env_family} ({label}): success {d['success_rate']:.3f} "
+                           f"on {d['episodes']} episodes ({time.perf_counter() - t0:.0f} s)")
+    return d
+
+
+async def make_trainer(cfg: Config, svc: Services, policy_model: str, seeds: list,
+                       resume: bool) -> tuple[Learner, CurriculumScheduler]:
+    """The learner and the curriculum that feeds its workers, restored from the latest checkpoint on --resume
+    (and the restored weights published: the "before" evaluation measures what is served)."""
+    learner = make_learner(cfg, svc, policy_model)
+    curriculum = make_curriculum(cfg, svc, seeds)
+    # The curriculum's pool, statistics and RNG are saved with every learner checkpoint.
+    learner.register_state("curriculum", curriculum.state_dict, lambda _state: None)
+    if resume and learner.resume():
+        await learner.publish()
+        if "curriculum" in learner.extra:
+            await curriculum.load_state_dict(learner.extra["curriculum"])
+    return learner, curriculum
+
+
+def make_learner(cfg: Config, svc: Services, policy_model: str) -> Learner:
+    """The GRPO/PPO learner on the run's trajectory stream, publishing to the policy engines."""
+    consumer = StreamConsumer(svc.client, trajectories_stream(svc.prefix), LEARNER_GROUP, "learner-0",
+                              lambda b: decode_as(b, Trajectory), reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
+                              max_deliveries=cfg.infra.max_deliveries)
+    publisher = WeightPublisher(svc.run_dir, svc.policy, keep=cfg.learner.keep_weights)
+    return Learner(cfg.learner, policy_model, svc.run_dir, consumer, publisher, group_size=cfg.actors.group_size)
+
+
+def make_curriculum(cfg: Config, svc: Services, seeds: list) -> CurriculumScheduler:
+    """The curriculum scheduler: variants from Mtask (the Mexp engine) when enabled; uniform when `curriculum.enabled` is off."""
+    variants = None  # Mtask writes tasks with no real counterpart: only DreamGym can play them
+    if cfg.curriculum.enabled and cfg.curriculum.variants_per_seed > 0 and svc.mexp is not None:
+        embedder = getattr(svc.buffer, "embedder", None) or Embedder(cache_path=artifacts.embedding_cache(cfg))
+        variants = TaskVariantGenerator(svc.mexp, svc.tokenizer, cfg.curriculum, embedder)
+    return CurriculumScheduler(svc.client, cfg.curriculum, svc.prefix, seeds, variants=variants, seed=cfg.infra.seed,
+                               stream_maxlen=cfg.infra.stream_maxlen)
+
+
+@contextlib.asynccontextmanager
+async def task_feed(cfg: Config, curriculum: CurriculumScheduler, learner: Learner, pool: WorkerPool,
+                    svc: Services) -> AsyncIterator[Callable[[], Awaitable[None]] | None]:
+    """Tasks for the workers while the block runs. Async: the curriculum keeps the task stream topped up
+    in the background. `--sync`: yields the learner's `before_step`, which pushes one update's worth."""
+    if cfg.learner.sync:
+        yield SyncFeed(curriculum, learner, pool, svc.client, svc.prefix)
+        return
+    stop = asyncio.Event()
+    feeder = asyncio.create_task(curriculum.run(stop))
+    try:
+        yield None
+    finally:
+        stop.set()
+        await feeder
+
+
+class SyncFeed:
+    """Synchronous mode: once the workers are idle and both streams are drained, push exactly the groups the
+    learner still needs; so every update trains on trajectories of the weights it just published."""
+
+    def __init__(self, curriculum: CurriculumScheduler, learner: Learner, pool: WorkerPool, client: Any, prefix: str):
+        self.curriculum, self.learner, self.pool, self.client, self.prefix = curriculum, learner, pool, client, prefix
+        self.producer = StreamProducer(client, tasks_stream(prefix))
+
+    async def __call__(self) -> None:
+        missing = self.learner.groups_missing  # zero-variance and stale groups were set aside: play more
+        if (missing > 0 and all(not s.get("inflight") for s in await self.pool.statuses())
+                and await stream_backlog(self.client, tasks_stream(self.prefix)) == 0
+                and await stream_backlog(self.client, trajectories_stream(self.prefix), LEARNER_GROUP) == 0):
+            tasks: list = []
+            while len(tasks) < missing:
+                tasks += await self.curriculum.next_batch()
+            await self.producer.add(encode(t) for t in tasks[:missing])

@@ -1,0 +1,276 @@
+"""`dreamgym experiment`: the paper's regimes on the same held-out real tasks, one command, one table.
+
+Owns running named regimes (base, SFT, real-environment RL, DreamGym, sim-to-real,
+PPO, the ablations) with the same seeds, data and task splits, and comparing them.
+An experiment file (configs/experiments/*.yaml) names a `base` train preset, common
+`overrides`, and one entry per regime with its own overrides; each regime is one
+`dreamgym train` run (a child process, so every regime starts from a clean slate)
+under `<run_dir>/<experiment>/<regime>/`, which leaves its summary.json: held-out
+real success with per-task results, real and synthetic transitions counted exactly,
+the Mexp's fidelity, wall time. Regimes that finished are skipped, so an interrupted
+experiment resumes where it stopped.
+
+The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
+the paired difference to the `compare_to` regime with a bootstrap interval over
+tasks, real transitions used, synthetic transitions, Mexp reward accuracy and ΔR,
+wall time) and `success_vs_real.png` (held-out success against online real
+transitions used). Caches are keyed by content (infra/run/artifacts.py), so regimes
+share the offline data and the policy warm start, and an ablation that changes how
+Mexp is trained (no reasoning) trains its own Mexp.
+
+Departure from the paper: the paper reports one number per regime from 3-8B models
+on GPUs; here every figure carries its interval, since the held-out sets of a
+CPU run are small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from actors.confidence import compare, wilson_interval
+from infra.config import ConfigError, load_config
+
+
+@dataclass
+class Regime:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    about: str = ""
+
+
+@dataclass
+class Experiment:
+    name: str
+    base: str
+    overrides: list[str]
+    regimes: list[Regime]
+    compare_to: str = ""
+    about: str = ""
+    path: str = ""
+
+    def config_args(self, regime: Regime) -> list[str]:
+        """The `dreamgym train` arguments (preset and overrides) of one regime."""
+        return [self.base, *self.overrides, *regime.overrides]
+
+
+def load_experiment(path: str | Path) -> Experiment:
+    """Read and validate an experiment file: every regime's config must load (so a typo fails now, not in hour 2)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"experiment file {p} does not exist")
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
+    known = {"name", "about", "base", "overrides", "compare_to", "regimes"}
+    if not isinstance(doc, dict) or set(doc) - known:
+        raise ConfigError(f"{p}: expected a mapping with keys {sorted(known)}; unknown: {sorted(set(doc) - known)}")
+    if not isinstance(doc.get("regimes"), dict) or not doc["regimes"]:
+        raise ConfigError(f"{p}: 'regimes' must map regime names to {{overrides: [...], about: ...}}")
+    regimes = []
+    for name, spec in doc["regimes"].items():
+        spec = spec or {}
+        if not isinstance(spec, dict) or set(spec) - {"overrides", "about"}:
+            raise ConfigError(f"{p}: regimes.{name}: expected {{overrides: [...], about: '...'}}")
+        if not isinstance(spec.get("overrides", []), list):
+            raise ConfigError(f"{p}: regimes.{name}.overrides must be a list of section.key=value")
+        regimes.append(Regime(str(name), [str(o) for o in spec.get("overrides", [])], str(spec.get("about", ""))))
+    exp = Experiment(name=str(doc.get("name") or p.stem), base=str(doc.get("base") or ""),
+                     overrides=[str(o) for o in doc.get("overrides") or []], regimes=regimes,
+                     compare_to=str(doc.get("compare_to") or ""), about=str(doc.get("about") or ""), path=str(p))
+    if exp.compare_to and exp.compare_to not in {r.name for r in regimes}:
+        raise ConfigError(f"{p}: compare_to: {exp.compare_to!r} is not one of the regimes")
+    for r in regimes:
+        try:
+            load_config(exp.base or None, [*exp.overrides, *r.overrides])
+        except ConfigError as exc:
+            raise ConfigError(f"{p}: regime {r.name}: {exc}") from exc
+    return exp
+
+
+def run_dir(exp: Experiment) -> Path:
+    """Where the experiment's regimes and results live: `<infra.run_dir of the base config>/<name>`."""
+    return Path(load_config(exp.base or None, exp.overrides).infra.run_dir) / exp.name
+
+
+def finished(exp: Experiment, regime: Regime) -> dict | None:
+    path = run_dir(exp) / regime.name / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("heldout_after") is not None else None
+
+
+def run_regime(exp: Experiment, regime: Regime, console: Console) -> dict:
+    """One regime as a `dreamgym train` child process; its summary. Output goes to <regime>/train.log."""
+    out = run_dir(exp) / regime.name
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "infra.cli", "train", *exp.config_args(regime),
+           f"infra.run_dir={run_dir(exp)}", "--name", regime.name]
+    console.print(f"[bold]{regime.name}[/]: {regime.about or ''}")
+    console.print(f"  {' '.join(cmd[1:])}", markup=False, highlight=False)
+    t0 = time.time()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TERM": "dumb", "COLUMNS": "120"}
+    with open(out / "train.log", "ab") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        raise RuntimeError(f"regime {regime.name} failed (exit {rc}); see {out / 'train.log'}")
+    summary = finished(exp, regime)
+    if summary is None:
+        raise RuntimeError(f"regime {regime.name} wrote no held-out evaluation; see {out / 'train.log'}")
+    console.print(f"  done in {time.time() - t0:.0f} s: held-out success "
+                  f"{summary['heldout_after']['success_rate']:.3f}")
+    return summary
+
+
+def row(name: str, about: str, s: dict, baseline: dict | None, baseline_name: str) -> dict:
+    """One regime's line of the results: success and its interval, the paired difference, the costs."""
+    after = s["heldout_after"]
+    k, n = after.get("successes", round(after["success_rate"] * after["episodes"])), after["episodes"]
+    lo, hi = wilson_interval(int(k), int(n))
+    tr = s.get("transitions", {})
+    fid = s.get("mexp_fidelity") or {}
+    out = {"regime": name, "about": about, "success_rate": after["success_rate"], "ci_low": lo, "ci_high": hi,
+           "episodes": n, "updates": s.get("updates", 0), "real_transitions": tr.get("online_real", 0),
+           "offline_real_transitions": tr.get("offline_real", 0), "synthetic_transitions": tr.get("synthetic", 0),
+           "mexp_reward_accuracy": fid.get("reward_accuracy"), "mexp_delta_r": fid.get("delta_r_mean"),
+           "mexp_below_threshold": fid.get("below_threshold"), "wall_seconds": s.get("total_seconds"),
+           "train_seconds": s.get("train_seconds")}
+    if baseline is not None and name != baseline_name:
+        d = compare(after.get("per_task", []), baseline["heldout_after"].get("per_task", []))
+        out.update({"vs": baseline_name, "diff": d.diff, "diff_ci_low": d.ci_low, "diff_ci_high": d.ci_high,
+                    "diff_tasks": d.tasks, "diff_excludes_zero": d.excludes_zero})
+    return out
+
+
+def results(exp: Experiment, summaries: dict[str, dict]) -> dict:
+    base = summaries.get(exp.compare_to)
+    rows = [row(r.name, r.about, summaries[r.name], base, exp.compare_to) for r in exp.regimes if r.name in summaries]
+    return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
+            "regimes": rows, "missing": [r.name for r in exp.regimes if r.name not in summaries]}
+
+
+def _pct(x: Any) -> str:
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def markdown(res: dict) -> str:
+    head = ["regime", "held-out success % [95% CI]", f"Δ vs {res['compare_to']} (pts) [95% CI]" if res["compare_to"]
+            else "Δ", "real transitions (online)", "synthetic transitions", "updates", "Mexp reward acc", "Mexp ΔR",
+            "wall s"]
+    lines = [f"# {res['experiment']}", "", res["about"], "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for r in res["regimes"]:
+        diff = (f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]"
+                if "diff" in r else "–")
+        acc = _pct(r["mexp_reward_accuracy"]) + (" (below threshold)" if r["mexp_below_threshold"] else "")
+        dr = "–" if r["mexp_delta_r"] is None else f"{r['mexp_delta_r']:.3f}"
+        lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}] "
+                     f"| {diff} | {r['real_transitions']} | {r['synthetic_transitions']} | {r['updates']} | {acc} "
+                     f"| {dr} | {r['wall_seconds'] or 0:.0f} |")
+    if res["missing"]:
+        lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
+    lines += ["", f"{res['regimes'][0]['episodes'] if res['regimes'] else 0} held-out episodes per regime; "
+                  "the paired Δ resamples tasks (bootstrap, 10,000 draws)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> Path:
+    """Held-out success against online real transitions used, with Wilson intervals."""
+    import matplotlib  # heavy, and only the end of an experiment draws
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # after use("Agg"): no display
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in res["regimes"]:
+        x, y = r["real_transitions"], r["success_rate"]
+        ax.errorbar([x], [y], yerr=[[y - r["ci_low"]], [r["ci_high"] - y]], fmt="o", capsize=4, label=r["regime"])
+        ax.annotate(r["regime"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    ax.set_xlabel("online real transitions used")
+    ax.set_ylabel("held-out real success")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(f"{res['experiment']}: held-out success vs real transitions")
+    ax.legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_results(exp: Experiment, summaries: dict[str, dict]) -> dict:
+    res = results(exp, summaries)
+    out = run_dir(exp)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "results.md").write_text(markdown(res))
+    if res["regimes"]:
+        plot(res, out / "success_vs_real.png")
+    return res
+
+
+def print_table(res: dict, console: Console) -> None:
+    t = Table(title=f"dreamgym experiment {res['experiment']}: held-out real success")
+    for col in ("regime", "success", "95% CI", f"Δ vs {res['compare_to']}", "real tr.", "synthetic tr.", "wall s"):
+        t.add_column(col, justify="right")
+    for r in res["regimes"]:
+        diff = f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]" \
+            if "diff" in r else "–"
+        t.add_row(r["regime"], f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
+                  str(r["real_transitions"]), str(r["synthetic_transitions"]), f"{r['wall_seconds'] or 0:.0f}")
+    console.print(t)
+
+
+# --- the `dreamgym experiment` command ------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", help="experiment file, e.g. configs/experiments/textworld_cpu.yaml")
+    p.add_argument("--only", default="", help="comma-separated regimes to run (default: all, in file order)")
+    p.add_argument("--rerun", default="", help="comma-separated regimes to run again even if finished")
+    p.add_argument("--list", action="store_true", help="list the regimes and their status, run nothing")
+    p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
+
+
+def run(args: argparse.Namespace) -> int:
+    exp = load_experiment(args.experiment)
+    console = Console()
+    names = {r.name for r in exp.regimes}
+    only = [x for x in args.only.split(",") if x]
+    rerun = {x for x in args.rerun.split(",") if x}
+    for x in [*only, *rerun]:
+        if x not in names:
+            raise ConfigError(f"--only/--rerun: {x!r} is not a regime of {exp.name} ({', '.join(sorted(names))})")
+    todo = [r for r in exp.regimes if not only or r.name in only]
+    if args.list:
+        for r in exp.regimes:
+            state = "done" if finished(exp, r) else "to run"
+            console.print(f"{r.name:>16}  {state:7}  {r.about}")
+        return 0
+    t0 = time.time()
+    if not args.report:
+        for i, r in enumerate(todo, 1):
+            if finished(exp, r) and r.name not in rerun:
+                console.print(f"[dim]{r.name}: finished earlier, skipped ({i}/{len(todo)})[/]")
+                continue
+            console.rule(f"regime {i}/{len(todo)}: {r.name}")
+            old = run_dir(exp) / r.name
+            if old.exists():  # a rerun, or a regime that died: start clean (a run dir holds its buffer, weights)
+                old.rename(old.with_name(f"{r.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+            run_regime(exp, r, console)
+    summaries = {r.name: s for r in exp.regimes if (s := finished(exp, r)) is not None}
+    res = write_results(exp, summaries)
+    print_table(res, console)
+    console.print(f"results: {run_dir(exp) / 'results.md'} ({time.time() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,183 @@
+"""The services a run stands on, owned by one async context manager.
+
+`async with Services(cfg, name) as svc:` makes the run directory (with the run's
+redacted `config.yaml`), starts an embedded Redis unless `infra.redis_url` is set
+(appendonly, in `<run_dir>/redis/`: kept for `resume=True`, emptied otherwise),
+connects, and records the job in `<run_dir>/latest.json` for `dreamgym scale`,
+`status` and `tasks` (the embedded Redis's password stays in a 0600 file in the run
+directory that the record names; see infra/redis_server.py). Inside the block the driver opens the rest in the order of the
+diagram: `open_buffer` (the replay buffer, seeded with the offline data or reopened
+as a resumed run left it), `start_engines` (embedded engines for Mexp and the policy
+unless endpoints are configured; clients for both) and `workers` (the rollout-worker
+pool: on this event loop, or Ray actors with `actors.runtime=ray`). Each registers its
+own cleanup when it opens, and leaving the block undoes them in reverse order whatever
+happened inside: workers, the Ray fleet (which hands the store back), the replay
+buffer (released, so a resumed run in this process reopens it), the engine clients
+and embedded engines, the Redis client, the embedded Redis, and the run's monitoring
+(infra/run/monitoring.py: with `infra.metrics_port` set, the driver's /metrics and
+the file_sd targets of every process that serves one, kept current as each starts
+and stops).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import ray
+
+from infra.config import Config, dump
+from infra.engine.client import EngineClient
+from infra.engine.models import load_tokenizer
+from infra.engine.server import default_weights_roots, start_embedded_engine
+from infra.redis_server import EmbeddedRedis, write_job_record
+from infra.run.artifacts import embedding_cache, say
+from infra.run.cluster.rollout_fleet import RolloutFleet
+from infra.run.monitoring import Monitoring
+from infra.run.workers import WorkerPool, autoscaler, local_spawner, make_env_factory
+from infra.streams import connect, ping
+from simulator.embedder import Embedder
+from simulator.experience_model import ExperienceModel
+from simulator.replay_buffer import make_buffer, seed_buffer
+
+log = logging.getLogger(__name__)
+
+
+class Services:
+    """Redis, the engines, the replay buffer and the worker fleet of one run; `async with` owns their lifetimes."""
+
+    def __init__(self, cfg: Config, name: str, console: Any = None, resume: bool = False):
+        self.cfg, self.name, self.console, self.resume = cfg, name, console, resume
+        self.run_dir = Path(cfg.infra.run_dir) / name
+        self.prefix = f"{cfg.infra.stream_prefix}:{name}"
+        self.redis_url = cfg.infra.redis_url
+        self.client: Any = None
+        self.buffer: Any = None
+        self.mexp: EngineClient | None = None
+        self.policy: EngineClient | None = None
+        self.tokenizer: Any = None
+        self.fleet: RolloutFleet | None = None
+        self.monitoring = Monitoring(cfg.infra, self.run_dir, name)
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> "Services":
+        await self._stack.__aenter__()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump(self.cfg))
+            self.monitoring.start()
+            self._stack.push_async_callback(self.monitoring.aclose)
+            redis = None
+            if not self.redis_url:
+                # Persistent in the run directory: a job killed with -9 and --resume'd finds its
+                # streams, pending entries included (learner/learner.py acks after checkpoints).
+                data = self.run_dir / "redis"
+                if not self.resume:
+                    shutil.rmtree(data, ignore_errors=True)  # a new run under an old name starts empty
+                redis = self._stack.enter_context(EmbeddedRedis(data_dir=data, appendonly=True,
+                                                                password_file=self.run_dir / "redis.password"))
+                self.redis_url = redis.url  # with its password: for this process and the Ray actors, never written
+            self.client = connect(self.redis_url, self.cfg.infra.redis_tls_ca)
+            self._stack.push_async_callback(self.client.aclose)
+            await ping(self.client, self.redis_url)  # a wrong infra.redis_url fails now, in one line
+            # An embedded Redis has no fixed URL: record it, without the password (a configured one: not at all).
+            write_job_record(self.cfg.infra.run_dir, self.prefix, self.run_dir, redis)
+            self.monitoring.sample_streams(self.client, self.prefix)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool:
+        return await self._stack.__aexit__(*exc)
+
+    def open_buffer(self, offline: list) -> Any:
+        """The run's replay buffer: created and seeded with every real offline transition, or
+        reopened as it was (a resumed run keeps what it wrote back and is not seeded twice)."""
+        t0 = time.perf_counter()
+        self.buffer = make_buffer(self.cfg.simulator, self.run_dir / "buffer",
+                                  Embedder(cache_path=embedding_cache(self.cfg)))
+        self._stack.callback(self.buffer.close)  # idempotent: also fine after the fleet moved the store
+        if len(self.buffer):
+            say(self.console, f"replay buffer reopened with {len(self.buffer)} transitions "
+                              f"({time.perf_counter() - t0:.1f} s)")
+        else:
+            n = seed_buffer(self.buffer, offline)
+            say(self.console, f"replay buffer seeded with {n} real transitions ({time.perf_counter() - t0:.1f} s)")
+        return self.buffer
+
+    async def start_engines(self, mexp_model: str | None, policy_model: str) -> None:
+        """Clients for Mexp and the policy: on the configured endpoints, or on embedded engines started here.
+        No Mexp when `mexp_model` is None (real-environment and evaluation-only runs)."""
+        e = self.cfg.engines
+
+        async def endpoints(configured: list, model: str, role: str) -> list[str]:
+            if configured:
+                return list(configured)
+            handle = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                                                 device=e.device, engine_cfg=e,
+                                                 weights_roots=default_weights_roots(model, self.cfg.infra.run_dir,
+                                                                                     e.weights_root))
+            self._stack.push_async_callback(handle.stop)
+            self.monitoring.add_url("engine", role, handle.url)  # its own registry, on its own port
+            self._stack.callback(self.monitoring.remove, "engine", role)
+            return [handle.url]
+
+        if mexp_model is not None:  # runs that never step a synthetic environment need no Mexp
+            self.mexp = EngineClient.from_config(e, await endpoints(e.mexp_endpoints, mexp_model, "mexp"), role="mexp")
+            self._stack.push_async_callback(self.mexp.close)
+        self.policy = EngineClient.from_config(e, await endpoints(e.policy_endpoints, policy_model, "policy"), role="policy")
+        self._stack.push_async_callback(self.policy.close)
+        self.tokenizer = load_tokenizer(e.model)
+
+    @contextlib.asynccontextmanager
+    async def workers(self, cfg: Config | None = None) -> AsyncIterator[WorkerPool]:
+        """`actors.num_workers` rollout workers for the duration of the block (see WorkerPool.running).
+
+        `cfg`: the config this pool's workers follow (a phase of the run: sim-to-real's real phase
+        plays real environments); the run's own by default."""
+        cfg = cfg or self.cfg
+        if cfg.actors.runtime == "ray":  # an embedded store moves into one buffer actor, once per run
+            if self.fleet is None:
+                self.fleet = RolloutFleet(self.cfg, self.redis_url, self.prefix, self.mexp.urls if self.mexp else [], self.policy.urls,
+                                          self.buffer, self.run_dir / "buffer", embedding_cache(self.cfg))
+                self._stack.callback(self.fleet.close)
+                self._monitor_fleet()
+            spawn = self._monitored(functools.partial(self.fleet.spawn, cfg=cfg))
+        else:
+            envs = make_env_factory(cfg, lambda: ExperienceModel(self.mexp, self.buffer, cfg.simulator, self.tokenizer))
+            spawn = local_spawner(cfg, self.client, self.prefix, self.policy, self.tokenizer, envs, self.buffer)
+        pool = WorkerPool(spawn, on_stop=functools.partial(self.monitoring.remove, "rollout_worker"))
+        autoscale = autoscaler(cfg, self.client, self.prefix) if cfg.actors.autoscale else None
+        async with pool.running(self.client, self.prefix, cfg.actors.num_workers, autoscale):
+            yield pool
+
+    def _monitor_fleet(self) -> None:
+        """The buffer actor's and Ray's own node exporters as scrape targets (monitoring on)."""
+        if not self.monitoring.enabled:
+            return
+        if self.fleet.buffer_actor is not None:
+            self.monitoring.add("buffer", "buffer", ray.get(self.fleet.buffer_actor.serve_metrics.remote(
+                self.monitoring.host)))
+        self.monitoring.add_ray_nodes(ray.nodes())
+
+    def _monitored(self, spawn: Callable[[str], Any]) -> Callable[[str], Awaitable[Any]]:
+        """`spawn` for Ray worker actors, each listed as a scrape target once it serves its own /metrics."""
+        async def spawn_listed(worker_id: str) -> Any:
+            handle = spawn(worker_id)
+            if self.monitoring.enabled:
+                self.monitoring.add("rollout_worker", worker_id,
+                                    await handle.actor.serve_metrics.remote(self.monitoring.host))
+            return handle
+        return spawn_listed
+
+    def buffer_size(self) -> int:
+        """Transitions in the replay buffer now (in the buffer actor when the fleet holds it)."""
+        if self.fleet is not None:
+            return self.fleet.buffer_size()
+        return len(self.buffer) if self.buffer is not None else 0

@@ -1,0 +1,231 @@
+"""Rollout workers: how one is built, and the elastic pool that runs them.
+
+Owns worker construction, once for both runtimes: `make_policy` (a ChoicePolicy on the
+policy engines, seeded per worker) and `make_env_factory` (fresh synthetic
+environments over one ExperienceModel per process, or real ones) are called by the
+local path here (`local_spawner`, workers on the driver's event loop) and by each Ray
+worker actor in its own process (infra/run/cluster/rollout_fleet.py). Nothing else
+builds a worker's policy or environments.
+
+Owns how many rollout workers run. `WorkerPool.running` starts the configured number
+and watches a Redis control key (`<prefix>:control:workers`); `dreamgym scale
+--workers N` (infra/run/scale.py) sets it from any shell that reaches the job's Redis. Growing spawns workers; shrinking stops the newest ones
+with drain (they finish their in-flight groups) or, past `drain_timeout_s`, hands
+their tasks back. Nothing is lost either way: a task is acked only after its group
+was pushed (actors/rollout_worker.py).
+
+The optional autoscale rule (`autoscale_target`, bound to a job by `autoscaler`) is a
+pure function of the task stream's backlog and the engine queue depth: more waiting
+tasks than the workers can take at once -> one more worker; no backlog and saturated
+engines -> one fewer (more workers would only queue at the engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import zlib
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+import redis.asyncio as aioredis
+
+from actors.envs.registry import make_env
+from actors.policy import ChoicePolicy
+from actors.rollout_worker import EnvFactory, RolloutWorker
+from infra import metrics
+from infra.config import Config
+from infra.streams import key, stream_backlog, tasks_stream, with_retry
+from simulator.synthetic_env import SyntheticEnv
+
+log = logging.getLogger(__name__)
+
+
+def desired_key(prefix: str) -> str:
+    return key(prefix, "control:workers")
+
+
+def alive_key(prefix: str) -> str:
+    return key(prefix, "control:workers_alive")
+
+
+def worker_seed(seed: int, worker_id: str) -> int:
+    """The policy's sampling seed of one worker: stable across processes (unlike hash() of a str)."""
+    return zlib.crc32(f"{seed}:{worker_id}".encode())
+
+
+def make_policy(cfg: Config, policy_client: Any, tokenizer: Any, worker_id: str) -> ChoicePolicy:
+    """One worker's policy: labelled choices sampled through the policy engines."""
+    return ChoicePolicy(policy_client, tokenizer, cfg.actors.temperature, seed=worker_seed(cfg.infra.seed, worker_id),
+                        multi_turn=cfg.actors.multi_turn, max_chat_chars=cfg.actors.chat_max_chars)
+
+
+def make_env_factory(cfg: Config, experience_model: Callable[[], Any]) -> EnvFactory:
+    """Fresh environments for the workers of one process: synthetic ones share one ExperienceModel,
+    built by `experience_model()` on first use; real ones are `actors.env_family` environments."""
+    if cfg.actors.env_kind != "synthetic":
+        return functools.partial(make_env, cfg.actors.env_family, max_steps=cfg.actors.max_steps)
+    mexp = None
+
+    def synthetic() -> SyntheticEnv:
+        nonlocal mexp
+        if mexp is None:
+            mexp = experience_model()
+        return SyntheticEnv(mexp, cfg.simulator.max_steps)
+    return synthetic
+
+
+def write_back_sink(cfg: Config, buffer: Any) -> Any:
+    """Where a worker writes its synthetic transitions: the replay buffer, or nowhere (write-back off, real envs)."""
+    return buffer if cfg.simulator.write_back and cfg.actors.env_kind == "synthetic" else None
+
+
+class WorkerHandle(Protocol):
+    worker_id: str
+
+    async def stop(self, drain: bool = True) -> dict: ...
+
+    async def status(self) -> dict: ...
+
+
+class LocalWorkerHandle:
+    """A RolloutWorker running as a task on this process's event loop (quickstart, tests)."""
+
+    def __init__(self, worker):
+        self.worker, self.worker_id = worker, worker.worker_id
+        self.task = asyncio.create_task(worker.run())
+
+    async def stop(self, drain: bool = True) -> dict:
+        await self.worker.stop(drain=drain)
+        await self.task
+        return self.worker.status()
+
+    async def status(self) -> dict:
+        return self.worker.status()
+
+
+def local_spawner(cfg: Config, client: aioredis.Redis, prefix: str, policy_client: Any, tokenizer: Any,
+                  env_factory: EnvFactory, buffer: Any) -> Callable[[str], LocalWorkerHandle]:
+    """Workers on this event loop, sharing this process's engine clients, environments factory and buffer."""
+    def spawn(worker_id: str) -> LocalWorkerHandle:
+        return LocalWorkerHandle(RolloutWorker(
+            worker_id, client, prefix, make_policy(cfg, policy_client, tokenizer, worker_id), env_factory, cfg.actors,
+            buffer=write_back_sink(cfg, buffer), reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
+            maxlen=cfg.infra.stream_maxlen, max_deliveries=cfg.infra.max_deliveries))
+    return spawn
+
+
+def autoscale_target(current: int, backlog: int, queue_depth: float, slots_per_worker: int,
+                     engine_capacity: int, lo: int = 1, hi: int = 8) -> int:
+    """One step of the autoscale rule; returns the new worker count within [lo, hi]."""
+    if backlog > current * slots_per_worker and queue_depth < engine_capacity:
+        return min(hi, current + 1)
+    if backlog == 0 and queue_depth >= engine_capacity and current > lo:
+        return max(lo, current - 1)
+    return max(lo, min(hi, current))
+
+
+def autoscaler(cfg: Config, client: aioredis.Redis, prefix: str) -> Callable[[int], Awaitable[int]]:
+    """The `actors.autoscale` rule bound to a job: its task stream's backlog and this process's engine queue depth."""
+    slots = max(1, math.ceil(cfg.actors.concurrent_episodes / cfg.actors.group_size))
+
+    async def rule(current: int) -> int:
+        backlog = await stream_backlog(client, tasks_stream(prefix))
+        return autoscale_target(current, backlog, metrics.engine_queue_depth(), slots, cfg.engines.max_batch_size,
+                                lo=1, hi=cfg.actors.autoscale_max_workers)
+    return rule
+
+
+class WorkerPool:
+    """Spawns and retires workers to match a target count."""
+
+    def __init__(self, spawn: Callable[[str], WorkerHandle | Awaitable[WorkerHandle]], drain_timeout_s: float = 120.0,
+                 on_stop: Callable[[str], None] | None = None):
+        """`on_stop(worker_id)` runs after a worker stopped (the driver takes it off the scrape targets)."""
+        self.spawn_fn, self.drain_timeout_s, self.on_stop = spawn, drain_timeout_s, on_stop
+        self.workers: list[WorkerHandle] = []
+        self.retired: list[dict] = []
+        self._next = 0
+        self.closed = False  # set by `retire`: no worker starts again, whatever the control key says
+        self._scaling = asyncio.Lock()
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    async def scale_to(self, n: int, drain: bool = True) -> None:
+        async with self._scaling:  # the watcher and `retire` may both resize
+            await self._scale_to(n, drain)
+
+    async def _scale_to(self, n: int, drain: bool) -> None:
+        if self.closed:
+            n = 0
+        while len(self.workers) < n:
+            wid = f"w{self._next}"
+            self._next += 1
+            h = self.spawn_fn(wid)
+            self.workers.append(await h if asyncio.iscoroutine(h) else h)  # type: ignore[arg-type]
+            metrics.ROLLOUT_SCALE_EVENTS.labels(direction="up").inc()
+            log.info("rollout worker %s started (%d running)", wid, len(self.workers))
+        while len(self.workers) > n:
+            h = self.workers.pop()
+            try:
+                status = await asyncio.wait_for(h.stop(drain=drain), self.drain_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("worker %s did not drain in %.0fs; handing its tasks back", h.worker_id, self.drain_timeout_s)
+                status = await h.stop(drain=False)
+            self.retired.append(status)
+            metrics.ROLLOUT_SCALE_EVENTS.labels(direction="down").inc()
+            if self.on_stop is not None:
+                self.on_stop(h.worker_id)
+            log.info("rollout worker %s stopped (%d running)", h.worker_id, len(self.workers))
+        metrics.ROLLOUT_POOL_WORKERS.set(len(self.workers))
+
+    async def statuses(self) -> list[dict]:
+        return [await h.status() for h in self.workers]
+
+    async def watch(self, client: aioredis.Redis, prefix: str, stop_event: asyncio.Event, poll_s: float = 1.0,
+                    autoscale: Callable[[int], Awaitable[int]] | None = None) -> None:
+        """Follow the control key (and the autoscale rule, when given) until stop_event."""
+        await with_retry(lambda: client.set(desired_key(prefix), len(self.workers), nx=True), "init worker target")
+        while not stop_event.is_set():
+            raw = await with_retry(lambda: client.get(desired_key(prefix)), "read worker target")
+            target = int(raw) if raw is not None else len(self.workers)
+            if self.closed:
+                break
+            if autoscale is not None:
+                target = await autoscale(target)
+                await with_retry(lambda: client.set(desired_key(prefix), target), "set worker target")
+            if target != len(self.workers):
+                await self.scale_to(target)
+            await with_retry(lambda: client.set(alive_key(prefix), len(self.workers)), "report live workers")
+            try:
+                await asyncio.wait_for(stop_event.wait(), poll_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def stop_all(self, drain: bool = False) -> None:
+        await self.scale_to(0, drain=drain)
+
+    async def retire(self) -> None:
+        """Stop every worker for good, letting in-flight groups finish and push (a spent real budget:
+        their remaining steps end at once, and what they already took still trains)."""
+        self.closed = True
+        await self.stop_all(drain=True)
+
+    @contextlib.asynccontextmanager
+    async def running(self, client: aioredis.Redis, prefix: str, n: int,
+                      autoscale: Callable[[int], Awaitable[int]] | None = None) -> AsyncIterator["WorkerPool"]:
+        """`n` workers that follow `dreamgym scale` (and `autoscale`) until the block ends; then all stop
+        without drain (their unfinished tasks are handed back)."""
+        await self.scale_to(n)
+        await with_retry(lambda: client.set(desired_key(prefix), n), "set worker target")
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(self.watch(client, prefix, stop, autoscale=autoscale))
+        try:
+            yield self
+        finally:
+            stop.set()
+            await watcher
+            await self.stop_all(drain=False)

@@ -1,0 +1,249 @@
+"""One GRPO/PPO update: the maths over a batch of training units, the policy and its optimizer.
+
+Owns what one update computes, given units that learner/batching.py assembled and
+filtered, and nothing about streams, acks, versions or checkpoints:
+
+1. fixed inputs per trainable step: the old log-prob (the behaviour log-prob the
+   worker recorded, or the current policy's "proximal" one for an importance-corrected
+   trajectory, with its truncated IS weight, learner/staleness.py) and the advantage
+   (the trajectory's group-relative advantage for GRPO, learner/advantages.py; GAE over
+   the value head's estimates for PPO);
+2. for each of `epochs_per_batch` epochs: forward/backward over micro-batches of at
+   most `micro_batch` steps (whole trajectories, never split), each loss scaled by its
+   share of the batch so the accumulated gradient equals the unchunked one
+   (tests/test_update.py checks it to 1e-6), then clipping and one optimizer step;
+   a non-finite loss or gradient raises before the step, non-finite weights after
+   the last one (learner/guard.py: the learner undoes the update).
+   A multi-turn trajectory is one packed sequence, one forward (learner/policy_model.py).
+
+Only the action (label) tokens train: a Step is trainable when it carries a label, its
+behaviour log-prob, the label set and the prompt (`trainable_steps`). The losses are
+learner/losses.py. Departure from the paper: none here; see learner/learner.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from infra import metrics
+from infra.config import LearnerConfig
+from infra.schema import Step, Trajectory
+from learner.advantages import gae
+from learner.guard import check_gradient, check_loss, check_weights
+from learner.losses import policy_loss, value_loss
+from learner.staleness import staleness, truncated_is_weight
+
+
+@dataclass
+class Unit:
+    """A batch unit: one GRPO group (or one PPO trajectory), as the update consumes it."""
+
+    trajs: list[Trajectory]
+    advantages: list[float] | None  # GRPO: one per trajectory; PPO: None (GAE at update time)
+    corrected: list[bool]  # per trajectory: importance-corrected (too stale for the plain ratio)
+    entry_ids: list[bytes] = field(default_factory=list)  # stream entries to ack once trained (learner/batching.py)
+
+
+@dataclass
+class UpdateStats:
+    version: int
+    loss: float
+    policy_loss: float
+    kl: float
+    value_loss: float
+    clip_fraction: float
+    mean_reward: float
+    success_rate: float
+    trajectories: int
+    steps: int
+    groups: int
+    mean_staleness: float
+    seconds: float
+    discarded: dict = field(default_factory=dict)  # outcome -> count since the previous update
+    tokens: int = 0  # tokens through the model in the trained forward/backward passes (all epochs)
+
+
+@dataclass
+class Row:
+    """One trajectory's trainable steps and how they are weighted."""
+
+    steps: list[Step]
+    advantage: float | None
+    corrected: bool
+    traj: Trajectory
+
+
+@dataclass
+class FixedInputs:
+    """Per row, per step: old log-prob, importance weight, (advantage, return, value)."""
+
+    old: list[list[float]]
+    isw: list[list[float]]
+    adv: list[list[tuple[float, float, float]]]
+
+
+def trainable_steps(traj: Trajectory) -> list[Step]:
+    """Steps whose action token trains: a choice label with its behaviour log-prob, mask 1."""
+    return [s for s in traj.steps if s.action_token_ids and s.logprobs and s.choice_token_ids and s.policy_prompt
+            and (not s.loss_mask or int(s.loss_mask[0]) == 1)]
+
+
+def rows_of(units: Sequence[Unit]) -> list[Row]:
+    return [Row(trainable_steps(t), u.advantages[i] if u.advantages is not None else None, u.corrected[i], t)
+            for u in units for i, t in enumerate(u.trajs)]
+
+
+def chunks_of(rows: Sequence[Row], micro_batch: int) -> list[list[int]]:
+    """Row indices per micro-batch: at most `micro_batch` steps each (a longer trajectory goes alone)."""
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    n = 0
+    for i, r in enumerate(rows):
+        if cur and n + len(r.steps) > micro_batch:
+            chunks.append(cur)
+            cur, n = [], 0
+        cur.append(i)
+        n += len(r.steps)
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def _forward(policy: Any, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    steps = [s for r in rows for s in r.steps]
+    return policy.forward_choice([s.policy_prompt for s in steps], [s.choice_token_ids for s in steps],
+                                 [s.action_token_ids[0] for s in steps])
+
+
+def _pad(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
+    """[steps] -> [rows, longest row], zero-padded."""
+    out = flat.new_zeros((len(rows), max(len(r.steps) for r in rows)))
+    k = 0
+    for i, r in enumerate(rows):
+        out[i, :len(r.steps)] = flat[k:k + len(r.steps)]
+        k += len(r.steps)
+    return out
+
+
+def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]]) -> FixedInputs:
+    """Old log-probs, importance weights and advantages, computed once before the epochs."""
+    fixed = FixedInputs([], [], [])
+    need_prox = any(r.corrected for r in rows) or cfg.algo == "ppo"
+    for idx in chunks:
+        part = [rows[i] for i in idx]
+        lp = vals = None
+        if need_prox:
+            with torch.no_grad():
+                lp_t, v_t = _forward(policy, part)
+            lp = lp_t.tolist()
+            vals = v_t.tolist() if v_t is not None else [0.0] * len(lp)
+        k = 0
+        for r in part:
+            n = len(r.steps)
+            mu = [float(s.logprobs[0]) for s in r.steps]
+            if r.corrected:
+                prox = lp[k:k + n]
+                fixed.old.append(prox)
+                fixed.isw.append([truncated_is_weight(p, m, cfg.is_cap) for p, m in zip(prox, mu)])
+            else:
+                fixed.old.append(mu)
+                fixed.isw.append([1.0] * n)
+            if cfg.algo == "ppo":
+                a, ret = gae([float(s.reward) for s in r.steps], vals[k:k + n], cfg.gamma, cfg.gae_lambda)
+                fixed.adv.append(list(zip(a, ret, vals[k:k + n])))
+            else:
+                fixed.adv.append([(r.advantage, 0.0, 0.0)] * n)
+            k += n
+    return fixed
+
+
+def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
+                         fixed: FixedInputs) -> dict[str, float]:
+    """One epoch's backward passes over every micro-batch, gradients summed into `.grad`; the loss terms."""
+    total_rows = sum(1 for r in rows if r.steps)
+    total_tokens = sum(len(r.steps) for r in rows)
+    sums = {"loss": 0.0, "pl": 0.0, "kl": 0.0, "vl": 0.0, "clip": 0.0, "tokens": 0}
+    for idx in chunks:
+        part = [rows[i] for i in idx]
+        logp_flat, v_flat = _forward(policy, part)
+        sums["tokens"] += int(getattr(policy, "last_tokens", 0))
+        logp = _pad(part, logp_flat)
+        mask = _pad(part, torch.ones_like(logp_flat))
+
+        def table(src: list, j: int | None = None) -> torch.Tensor:
+            flat = [x if j is None else x[j] for i in idx for x in src[i]]
+            return _pad(part, torch.tensor(flat, dtype=logp.dtype))
+
+        ref = None
+        if cfg.kl_coef > 0:
+            steps = [s for r in part for s in r.steps]
+            ref = _pad(part, policy.reference_logprobs([s.policy_prompt for s in steps],
+                                                       [s.choice_token_ids for s in steps],
+                                                       [s.action_token_ids[0] for s in steps]))
+        out = policy_loss(logp, table(fixed.old), table(fixed.adv, 0), mask, cfg.clip_eps, ref, cfg.kl_coef,
+                          table(fixed.isw), cfg.aggregate)
+        w = len(logp_flat) / total_tokens
+        scale = (len(part) / total_rows) if cfg.aggregate == "sequence" else w
+        loss = out.loss * scale
+        vl = torch.zeros(())
+        if cfg.algo == "ppo" and v_flat is not None:
+            vl = value_loss(_pad(part, v_flat), table(fixed.adv, 1), mask, table(fixed.adv, 2), cfg.clip_eps)
+            loss = loss + cfg.value_coef * vl * w
+        loss.backward()
+        sums["loss"] += float(loss.detach())
+        sums["pl"] += float(out.policy_loss) * scale
+        sums["kl"] += float(out.kl) * scale
+        sums["vl"] += float(vl.detach()) * w
+        sums["clip"] += float(out.clip_fraction) * w
+    return sums
+
+
+def export_rewards(trajs: Sequence[Trajectory]) -> None:
+    """Mean and (population) variance of the batch's episode rewards, per environment kind."""
+    by_kind: dict[str, list[float]] = {}
+    for t in trajs:
+        by_kind.setdefault(t.env_kind.value, []).append(float(t.total_reward))
+    for kind, rewards in by_kind.items():
+        mean = sum(rewards) / len(rewards)
+        metrics.LEARNER_REWARD_MEAN.labels(env_kind=kind).set(mean)
+        metrics.LEARNER_REWARD_VARIANCE.labels(env_kind=kind).set(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+
+
+def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, units: Sequence[Unit],
+                 version: int) -> UpdateStats:
+    """Train `policy` on `units` (the learner is at weight `version`); the stats of this update."""
+    rows = rows_of(units)
+    chunks = chunks_of(rows, cfg.micro_batch)
+    policy.train()
+    fixed = fixed_inputs(policy, cfg, rows, chunks)
+    sums = dict.fromkeys(("loss", "pl", "kl", "vl", "clip"), 0.0)
+    params = policy.trainable_parameters()
+    tokens = 0
+    for _ in range(cfg.epochs_per_batch):
+        optimizer.zero_grad(set_to_none=True)
+        epoch = accumulate_gradients(policy, cfg, rows, chunks, fixed)
+        tokens += int(epoch.pop("tokens", 0))
+        check_loss(epoch["loss"])  # before the step: a NaN never reaches the weights (learner/guard.py)
+        check_gradient(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        for k, v in epoch.items():
+            sums[k] += v / cfg.epochs_per_batch
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    check_weights(params)
+    trajs = [r.traj for r in rows]
+    mean_reward = sum(t.total_reward for t in trajs) / len(trajs)
+    lags = [staleness(t.policy_version, version) for t in trajs]
+    metrics.LEARNER_LOSS.set(sums["loss"])
+    metrics.LEARNER_KL.set(sums["kl"])
+    metrics.LEARNER_CLIP_FRACTION.set(sums["clip"])
+    metrics.LEARNER_MEAN_REWARD.set(mean_reward)
+    export_rewards(trajs)
+    metrics.LEARNER_TOKENS.inc(tokens)
+    return UpdateStats(version=version, loss=sums["loss"], policy_loss=sums["pl"], kl=sums["kl"],
+                       value_loss=sums["vl"], clip_fraction=sums["clip"], mean_reward=mean_reward,
+                       success_rate=sum(1 for t in trajs if t.success) / len(trajs), trajectories=len(trajs),
+                       steps=sum(len(r.steps) for r in rows), groups=len(units),
+                       mean_staleness=sum(lags) / len(lags), seconds=0.0, tokens=tokens)

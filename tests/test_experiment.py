@@ -1,0 +1,219 @@
+"""The experiment machinery of issue 14: exact real-transition budgets, sim-to-real's phase switch,
+content-keyed caches, `dreamgym eval --tasks`, and `dreamgym experiment` end to end.
+
+Real parts throughout: a real Redis, real TextWorld games made with tw-make, the embedded engine
+serving SmolLM2, `dreamgym` commands run as a user runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import yaml
+
+from actors.dataset import offline_settings, splits_path, stamp_matches, write_stamp
+from actors.envs.registry import load_or_make_splits, tasks_from_spec
+from infra.budget import StepBudget
+from infra.config import load_config, settings_key
+from infra.run.artifacts import cached_model
+from infra.run.experiment import load_experiment
+from infra.schema import Task
+from learner import mexp_sft, policy_sft
+from learner.weights import resolve_model, version_path
+from simulator.curriculum import CurriculumScheduler
+
+TINY = ["engines.max_batch_size=4", "simulator.checkpoint=smollm2", "data.textworld_games=2",
+        "data.textworld_heldout=2", "data.textworld_families=[custom]", "data.policies=[expert]",
+        "data.episodes_per_task=1", "data.workers=1", "data.max_steps=4", "actors.num_workers=1",
+        "actors.group_size=2", "actors.concurrent_episodes=2", "actors.max_steps=3", "learner.groups_per_update=1",
+        "learner.checkpoint_every=100", "learner.keep_weights=1", "curriculum.variants_per_seed=0"]
+
+
+async def test_step_budget_grants_exactly_its_limit_to_concurrent_takers(redis_url):
+    clients = [aioredis.from_url(redis_url) for _ in range(3)]
+    try:
+        budgets = [StepBudget(c, "exp", 37) for c in clients]  # three workers sharing one run's budget
+
+        async def worker(b: StepBudget) -> int:
+            return sum([await b.take() for _ in range(30)])
+
+        granted = await asyncio.gather(*(worker(b) for b in budgets))
+        assert sum(granted) == 37 and await budgets[0].used() == 37 and await budgets[1].spent()
+        unlimited = StepBudget(clients[0], "exp-free", 0)
+        assert all([await unlimited.take() for _ in range(5)]) and await unlimited.used() == 5
+        assert not await unlimited.spent()
+        with pytest.raises(ValueError):
+            StepBudget(clients[0], "exp", -1)
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def test_real_rollouts_never_get_tasks_without_a_real_counterpart(redis_url):
+    client = aioredis.from_url(redis_url)
+    cfg = load_config(None, ["curriculum.batch_size=4", "curriculum.lam=1.0"]).curriculum
+    seeds = [Task(f"s{i}", "do", game_file=f"/g{i}.z8") for i in range(3)]
+    try:
+        sched = CurriculumScheduler(client, cfg, "rr", seeds)
+        await sched.start()
+        await sched.pool.add([Task("v-1", "a variant", generated=True, parent_id="s0")])
+        mixed = [t for _ in range(6) for t in await sched.next_batch()]
+        assert any(t.generated for t in mixed)  # DreamGym plays variants...
+        sched.real_only = True
+        real = [t for _ in range(6) for t in await sched.next_batch()]
+        assert real and all(t.game_file and not t.generated for t in real)  # ...real workers never do
+    finally:
+        await client.aclose()
+
+
+def test_cache_keys_follow_the_settings_that_shape_each_artifact(tmp_path):
+    base = load_config(None, [f"infra.data_dir={tmp_path}"])
+    same_sft = dataclasses.replace(base, simulator=dataclasses.replace(base.simulator, temperature=0.1, max_steps=9))
+    no_reasoning = dataclasses.replace(base, simulator=dataclasses.replace(base.simulator, reasoning=False))
+    more_data = dataclasses.replace(base, data=dataclasses.replace(base.data, episodes_per_task=5))
+    assert mexp_sft.cache_dir(same_sft) == mexp_sft.cache_dir(base)  # inference-only settings share a Mexp
+    assert mexp_sft.cache_dir(no_reasoning) != mexp_sft.cache_dir(base)  # the no-reasoning ablation trains its own
+    assert mexp_sft.cache_dir(more_data) != mexp_sft.cache_dir(base)  # other offline data, other Mexp
+    assert policy_sft.cache_dir(no_reasoning) == policy_sft.cache_dir(base)  # the policy never sees Mexp settings
+    warm = dataclasses.replace(base, learner=dataclasses.replace(base.learner, warm_start_steps=7))
+    assert policy_sft.cache_dir(warm) != policy_sft.cache_dir(base)
+    assert mexp_sft.cache_dir(base).parent == tmp_path / "mexp"
+
+    built = []
+
+    def build(path: Path) -> str:
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+        built.append(path)
+        return ""
+
+    for c in (base, same_sft, no_reasoning):  # a key change builds a new Mexp; the same key reuses it
+        cached_model(mexp_sft.cache_dir(c), "Mexp", build)
+    assert built == [mexp_sft.cache_dir(base), mexp_sft.cache_dir(no_reasoning)]
+
+
+@pytest.mark.slow
+def test_splits_and_offline_stamps_rebuild_on_other_settings(tmp_path):
+    cfg = load_config(None, ["data.textworld_games=1", "data.textworld_heldout=1", "data.textworld_families=[custom]"])
+    first = load_or_make_splits("textworld", cfg.data, tmp_path)
+    assert [t.task_id for t in first.train] == ["custom-s0"]
+    again = load_or_make_splits("textworld", cfg.data, tmp_path)
+    assert [t.task_id for t in again.heldout] == [t.task_id for t in first.heldout]
+    more = dataclasses.replace(cfg.data, textworld_games=2)
+    assert len(load_or_make_splits("textworld", more, tmp_path).train) == 2  # not the cached 1-game split
+    assert stamp_matches(splits_path(tmp_path, "textworld"), {"family": "textworld", "seed": 0,
+                                                              **{k: v for k, v in dataclasses.asdict(more).items()
+                                                                 if k.startswith("textworld_")}})
+    f = tmp_path / "offline.msgpack"
+    f.write_bytes(b"")
+    write_stamp(f, offline_settings("textworld", more, 0))
+    assert stamp_matches(f, offline_settings("textworld", more, 0))
+    assert not stamp_matches(f, offline_settings("textworld", dataclasses.replace(more, noise_eps=0.5), 0))
+    assert settings_key({"a": 1, "b": [1, 2]}) == settings_key({"b": [1, 2], "a": 1})
+
+
+def test_any_runs_published_weights_resolve_to_a_model_directory(tmp_path):
+    run = tmp_path / "runs" / "r1"
+    for v in (3, 12):
+        version_path(run, v).mkdir(parents=True)
+        (version_path(run, v) / "config.json").write_text("{}")
+    assert resolve_model(run) == str(version_path(run, 12))  # the latest, numerically
+    assert resolve_model(run / "weights") == str(version_path(run, 12))
+    assert resolve_model(version_path(run, 3)) == str(version_path(run, 3))
+    assert resolve_model("smollm2") == "smollm2"
+    with pytest.raises(FileNotFoundError):
+        resolve_model(tmp_path / "runs")  # no weights there
+    with pytest.raises(FileNotFoundError):
+        resolve_model(tmp_path / "nope" / "model")
+
+
+@pytest.mark.slow
+def test_eval_takes_a_directory_of_generated_games(tmp_path):
+    from actors.envs.textworld_env import generate_game
+
+    games = tmp_path / "mygames"
+    for seed in (7, 8):
+        generate_game("custom", seed, games)
+    tasks = tasks_from_spec("textworld", str(games))
+    assert sorted(t.task_id for t in tasks) == ["custom-s7", "custom-s8"] and all(t.instruction for t in tasks)
+    assert [t.task_id for t in tasks_from_spec("textworld", str(games / "*s7.z8"))] == ["custom-s7"]
+    with pytest.raises(ValueError):
+        tasks_from_spec("textworld", str(tmp_path))
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "infra.cli", "eval", "--family", "textworld", "--policy", "expert",
+                           "--tasks", str(games), "--out", str(out), f"infra.run_dir={tmp_path / 'runs'}"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["episodes"] == 2 and report["success_rate"] == 1.0  # the expert solves both
+    assert {r["task_id"] for r in report["per_task"]} == {"custom-s7", "custom-s8"}
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(redis_url, tmp_path):
+    from infra.run.driver import train
+
+    cfg = load_config(None, [f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tmp_path / 'data'}",
+                             f"infra.redis_url={redis_url}", "infra.train_budget_s=60", *TINY,
+                             "learner.total_updates=1", "learner.s2r_real_transitions=7", "learner.s2r_max_updates=3",
+                             "simulator.write_back=false"])
+    summary = await train(cfg, "s2r", evaluate=False)
+    kinds = [(p["phase"], p["env_kind"]) for p in summary["phases"]]
+    assert kinds == [("DreamGym", "synthetic"), ("sim-to-real: real env", "real")]
+    real = summary["phases"][1]
+    assert real["real_transitions"] == 7 and real["transition_budget_spent"]  # exactly the budget
+    assert summary["transitions"]["online_real"] == 7 and summary["phases"][0]["real_transitions"] == 0
+    assert summary["transitions"]["offline_real"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_experiment_runner_writes_complete_results(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"infra": {"run_dir": str(tmp_path / "runs"), "data_dir": str(tmp_path / "data"),
+                                              "train_budget_s": 1200}}))
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "tiny", "about": "two regimes on two held-out games", "base": str(base), "overrides": TINY,
+        "compare_to": "base",
+        "regimes": {"base": {"about": "the untrained policy", "overrides": ["learner.total_updates=0"]},
+                    "real_grpo": {"about": "GRPO in the real games, 6 real transitions",
+                                  "overrides": ["actors.env_kind=real", "actors.real_transitions=6",
+                                                "learner.total_updates=2"]}}}))
+    exp = load_experiment(spec)
+    assert [r.name for r in exp.regimes] == ["base", "real_grpo"]
+    cmd = [sys.executable, "-m", "infra.cli", "experiment", str(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "runs" / "tiny"
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["regime"]: r for r in res["regimes"]}
+    assert set(rows) == {"base", "real_grpo"} and res["missing"] == []
+    assert rows["base"]["real_transitions"] == 0 and rows["real_grpo"]["real_transitions"] == 6
+    assert rows["base"]["episodes"] == rows["real_grpo"]["episodes"] == 2
+    assert rows["real_grpo"]["vs"] == "base" and rows["real_grpo"]["diff_tasks"] == 2
+    assert (out / "results.md").read_text().count("|") > 10 and (out / "success_vs_real.png").stat().st_size > 1000
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumable: nothing to redo
+    assert again.returncode == 0 and again.stdout.count("finished earlier, skipped") == 2
+
+
+def test_experiment_files_are_validated_before_anything_runs(tmp_path):
+    from infra.config import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"regimes": {"a": {"overrides": ["learner.lr=abc"]}}}))
+    with pytest.raises(ConfigError, match="regime a: learner.lr"):
+        load_experiment(bad)
+    bad.write_text(yaml.safe_dump({"compare_to": "zzz", "regimes": {"a": {}}}))
+    with pytest.raises(ConfigError, match="compare_to"):
+        load_experiment(bad)
+    for shipped in Path("configs/experiments").glob("*.yaml"):
+        assert load_experiment(shipped).regimes  # every shipped experiment loads

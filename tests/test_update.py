@@ -1,0 +1,90 @@
+"""The update maths (learner/update.py): a chunked update is the unchunked one.
+
+Micro-batching splits a batch into forward/backward passes of at most `micro_batch`
+prompts and scales each loss by its share; the accumulated gradient must equal the
+gradient of one pass over the whole batch (to 1e-6), for GRPO with both loss
+aggregations, with the KL penalty, and for PPO with its value head and GAE. A tiny
+random-initialised Llama with SmolLM2's real tokenizer keeps it fast; the prompts are
+the real choice prompts of actors/policy.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.policy import build_choice_prompt
+from infra.config import LearnerConfig
+from infra.engine.models import load_tokenizer
+from infra.schema import Status, Step, Task, Trajectory
+from learner.advantages import group_advantages
+from learner.policy_model import PolicyModel
+from learner.update import Unit, accumulate_gradients, chunks_of, fixed_inputs, rows_of
+
+ROOMS = ["Kitchen", "Hall", "Study"]
+CANDS = ["go north", "take key", "open chest", "look"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    tok = load_tokenizer("smollm2")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      pad_token_id=tok.pad_token_id)
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def units(tok, algo: str) -> list[Unit]:
+    """Two groups of three trajectories of 1-3 steps (unequal lengths, so chunks cut between rows)."""
+    out = []
+    for g in range(2):
+        task = Task(f"t{g}", f"open the chest in the {ROOMS[g].lower()}")
+        trajs = []
+        for i in range(3):
+            steps, hist = [], []
+            n = 1 + (g + i) % 3
+            for t in range(n):
+                state = f"Room: {ROOMS[(g + t) % 3]}\nActions:\n" + "\n".join(f"[{k + 1}] {c}" for k, c in enumerate(CANDS))
+                prompt, labels = build_choice_prompt(tok, task, state, CANDS, hist)
+                c = (g + i + t) % len(CANDS)
+                steps.append(Step(state=state, action=CANDS[c], reward=float(i % 2) if t == n - 1 else 0.0,
+                                  done=t == n - 1, policy_prompt=prompt, action_token_ids=[labels[c]],
+                                  logprobs=[-1.2 - 0.1 * t], loss_mask=[1], choice_token_ids=labels))
+                hist.append(CANDS[c])
+            trajs.append(Trajectory(task_id=task.task_id, group_id=f"g{g}", steps=steps, status=Status.FAILURE,
+                                    task=task))
+        adv = group_advantages([t.total_reward for t in trajs]) if algo == "grpo" else None
+        out.append(Unit(trajs, adv, [i == 1 for i in range(3)]))  # one importance-corrected member each
+    return out
+
+
+def gradients(model, tok, cfg: LearnerConfig, batch: list[Unit]) -> dict[str, torch.Tensor]:
+    policy = PolicyModel(model=copy.deepcopy(model), tokenizer=tok, value_head=cfg.algo == "ppo")
+    if policy.value_head is not None:  # a non-zero head, so the value loss has a gradient everywhere
+        torch.manual_seed(1)
+        torch.nn.init.normal_(policy.value_head.weight, std=0.1)
+    policy.train()
+    rows = rows_of(batch)
+    chunks = chunks_of(rows, cfg.micro_batch)
+    accumulate_gradients(policy, cfg, rows, chunks, fixed_inputs(policy, cfg, rows, chunks))
+    return {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("algo,aggregate,kl", [("grpo", "sequence", 0.0), ("grpo", "token", 0.1),
+                                               ("ppo", "token", 0.0)])
+def test_a_chunked_update_has_the_gradients_of_the_unchunked_one(tiny, algo, aggregate, kl):
+    model, tok = tiny
+    batch = units(tok, algo)
+    base = dict(algo=algo, aggregate=aggregate, kl_coef=kl, staleness_mode="importance")
+    whole = gradients(model, tok, LearnerConfig(micro_batch=64, **base), batch)
+    assert len(chunks_of(rows_of(batch), 64)) == 1
+    assert len(chunks_of(rows_of(batch), 2)) >= 4
+    chunked = gradients(model, tok, LearnerConfig(micro_batch=2, **base), batch)
+    assert whole.keys() == chunked.keys() and len(whole) > 10
+    assert max(float(g.abs().max()) for g in whole.values()) > 1e-4  # a real gradient, not zeros
+    for name, g in whole.items():
+        torch.testing.assert_close(chunked[name], g, rtol=0, atol=1e-6, msg=name)
