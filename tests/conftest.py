@@ -7,6 +7,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pathlib import Path
+
 import pytest
 import redis
 
@@ -33,3 +35,49 @@ def smollm2():
     from infra.engine.models import load_model
 
     return load_model("smollm2")
+
+
+def save_tiny_model(out: Path) -> Path:
+    """A random-init 2-layer Llama (hidden 32) with SmolLM2's real tokenizer: a model directory the
+    engines, the learner and the Mexp load like any other (`engines.model=<dir>`). Same prompts and
+    code paths as SmolLM2, milliseconds per forward, kilobytes per checkpoint."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from infra.engine.models import load_tokenizer
+
+    torch.manual_seed(0)
+    tok = load_tokenizer("smollm2")
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tw_data_dir(tmp_path_factory) -> Path:
+    """One data directory for the session's small TextWorld runs: the games and the offline
+    trajectories of `tiny_run`'s data settings are made once (the first run builds, the rest reuse)."""
+    return tmp_path_factory.mktemp("tw-data")
+
+
+@pytest.fixture
+def tiny_run(tmp_path, redis_url, tiny_dir, tw_data_dir) -> list[str]:
+    """Overrides for a small real `dreamgym train`: two real TextWorld games (one held out), the
+    embedded engines serving the tiny model as both policy and Mexp (so no Mexp SFT), one worker,
+    groups of two, one group per update. Tests append their own overrides (the last one wins)."""
+    return [f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tw_data_dir}", f"infra.redis_url={redis_url}",
+            "infra.train_budget_s=600", f"engines.model={tiny_dir}", "engines.max_batch_size=4",
+            f"simulator.checkpoint={tiny_dir}", "data.textworld_games=2", "data.textworld_heldout=1",
+            "data.textworld_families=[custom]", "data.policies=[expert]", "data.episodes_per_task=1",
+            "data.workers=1", "actors.env_kind=real", "actors.num_workers=1", "actors.group_size=2",
+            "actors.concurrent_episodes=2", "actors.max_steps=2", "learner.groups_per_update=1",
+            "curriculum.variants_per_seed=0"]

@@ -1,5 +1,5 @@
 """A tiny end-to-end run on real parts: Redis streams, in-process rollout workers, the real GRPO
-learner on SmolLM2. The environment and the policy sampler are the deterministic in-test ones
+learner on the tiny random Llama of conftest (SmolLM2's tokenizer, kilobytes of weights). The environment and the policy sampler are the deterministic in-test ones
 (tests/rollout_fakes.py) so the run takes seconds; `dreamgym train` is the full-size version.
 
 Checks: the weight version advances, the parameters change, and the learner consumes exactly
@@ -9,8 +9,6 @@ trajectories the workers produced (each at most once, every stream entry account
 from __future__ import annotations
 
 import asyncio
-import copy
-
 import pytest
 import torch
 
@@ -22,21 +20,20 @@ from infra.streams import StreamConsumer, connect, trajectories_stream
 from simulator.curriculum import CurriculumScheduler
 from tests.rollout_fakes import LadderEnv, ScriptedPolicy
 
-pytestmark = [pytest.mark.slow, pytest.mark.model]
+pytestmark = [pytest.mark.slow]
 PREFIX = "e2e"
 
 
-async def test_tiny_async_run_trains_on_exactly_the_workers_trajectories(redis_url, smollm2, tmp_path):
+async def test_tiny_async_run_trains_on_exactly_the_workers_trajectories(redis_url, tiny_dir, tmp_path):
     from learner.learner import Learner
     from learner.policy_model import PolicyModel
 
-    model, tok = smollm2
-    policy_model = PolicyModel("smollm2", model=copy.deepcopy(model), tokenizer=tok)
+    policy_model = PolicyModel(str(tiny_dir), lora_rank=0)
     before = {n: p.detach().clone() for n, p in policy_model.named_parameters() if p.requires_grad}
     client = connect(redis_url)
-    lcfg = LearnerConfig(groups_per_update=2, total_updates=2, lr=1e-4, checkpoint_every=100, max_staleness=4)
+    lcfg = LearnerConfig(groups_per_update=2, total_updates=2, lr=1e-4, checkpoint_every=1, max_staleness=4)
     consumer = StreamConsumer(client, trajectories_stream(PREFIX), "learner", "l0", lambda b: decode_as(b, Trajectory))
-    learner = Learner(lcfg, "smollm2", tmp_path, consumer, None, group_size=4, policy=policy_model)
+    learner = Learner(lcfg, str(tiny_dir), tmp_path, consumer, None, group_size=4, policy=policy_model)
     acfg = ActorsConfig(group_size=4, concurrent_episodes=4, max_steps=3)
     policies: list[ScriptedPolicy] = []
 
@@ -70,23 +67,23 @@ async def test_tiny_async_run_trains_on_exactly_the_workers_trajectories(redis_u
     groups = await client.xinfo_groups(trajectories_stream(PREFIX))
     pending, lag = groups[0]["pending"], groups[0]["lag"]
     discarded = sum(sum(s.discarded.values()) for s in stats) + sum(learner.discarded.values())
-    # every stream entry was trained on, discarded (both acked), is held unacked, or was not read yet
+    # every stream entry was trained on, discarded (both acked once a checkpoint covers them: one per
+    # update here), is held unacked, or was not read yet
     assert len(consumed) + discarded + pending + lag == len(produced)
     await client.aclose()
 
 
-async def test_tiny_sync_run_trains_only_on_fresh_trajectories(redis_url, smollm2, tmp_path):
+async def test_tiny_sync_run_trains_only_on_fresh_trajectories(redis_url, tiny_dir, tmp_path):
     """--sync: roll out, then train; every trajectory an update uses was played by the current weights."""
     from infra.run.driver import SyncFeed
     from learner.learner import Learner
     from learner.policy_model import PolicyModel
 
-    model, tok = smollm2
     client = connect(redis_url)
     lcfg = LearnerConfig(groups_per_update=2, total_updates=2, lr=1e-4, checkpoint_every=100, max_staleness=0)
     consumer = StreamConsumer(client, trajectories_stream(PREFIX), "learner", "l0", lambda b: decode_as(b, Trajectory))
-    learner = Learner(lcfg, "smollm2", tmp_path, consumer, None, group_size=4,
-                      policy=PolicyModel("smollm2", model=copy.deepcopy(model), tokenizer=tok))
+    learner = Learner(lcfg, str(tiny_dir), tmp_path, consumer, None, group_size=4,
+                      policy=PolicyModel(str(tiny_dir), lora_rank=0))
     acfg = ActorsConfig(group_size=4, concurrent_episodes=4, max_steps=3)
     policies: list[ScriptedPolicy] = []
 

@@ -231,8 +231,7 @@ def test_collect_and_eval_commands_on_alfworld(alf, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.model
-def test_train_command_runs_on_alfworld(redis_url, tmp_path):
+def test_train_command_runs_on_alfworld(redis_url, tmp_path, tiny_dir):
     """`dreamgym train` with actors.env_family=alfworld: games, offline data, real rollouts, one PPO update.
 
     PPO, not GRPO: a 2-step ALFWorld episode is never won, so every GRPO group has zero
@@ -242,7 +241,8 @@ def test_train_command_runs_on_alfworld(redis_url, tmp_path):
     name = "alf-train"
     rc = main(["train", "--name", name, "--no-eval", f"infra.run_dir={tmp_path / 'runs'}",
                f"infra.data_dir={tmp_path / 'data'}", f"infra.redis_url={redis_url}", "infra.train_budget_s=600",
-               "engines.max_batch_size=4", "simulator.checkpoint=smollm2", "actors.env_family=alfworld",
+               f"engines.model={tiny_dir}", "engines.max_batch_size=4", f"simulator.checkpoint={tiny_dir}",
+               "actors.env_family=alfworld",
                "data.alfworld_games=2", "data.alfworld_heldout=1", "data.alfworld_task_types=[pick_and_place_simple]",
                "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1",
                "actors.env_kind=real", "actors.num_workers=1", "actors.group_size=2", "actors.concurrent_episodes=2",

@@ -29,7 +29,12 @@ from learner import mexp_sft, policy_sft
 from learner.weights import resolve_model, version_path
 from simulator.curriculum import CurriculumScheduler
 
-TINY = ["engines.max_batch_size=4", "simulator.checkpoint=smollm2", "data.textworld_games=2",
+def tiny(model) -> list[str]:
+    """A small real run: two TextWorld games, the tiny random Llama as policy and Mexp."""
+    return [f"engines.model={model}", f"simulator.checkpoint={model}", *TINY]
+
+
+TINY = ["engines.max_batch_size=4", "data.textworld_games=2",
         "data.textworld_heldout=2", "data.textworld_families=[custom]", "data.policies=[expert]",
         "data.episodes_per_task=1", "data.workers=1", "data.max_steps=4", "actors.num_workers=1",
         "actors.group_size=2", "actors.concurrent_episodes=2", "actors.max_steps=3", "learner.groups_per_update=1",
@@ -157,12 +162,11 @@ def test_eval_takes_a_directory_of_generated_games(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.model
-async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(redis_url, tmp_path):
+async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(redis_url, tmp_path, tiny_dir):
     from infra.run.driver import train
 
     cfg = load_config(None, [f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tmp_path / 'data'}",
-                             f"infra.redis_url={redis_url}", "infra.train_budget_s=60", *TINY,
+                             f"infra.redis_url={redis_url}", "infra.train_budget_s=60", *tiny(tiny_dir),
                              "learner.total_updates=1", "learner.s2r_real_transitions=7", "learner.s2r_max_updates=3",
                              "simulator.write_back=false"])
     summary = await train(cfg, "s2r", evaluate=False)
@@ -175,14 +179,13 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
 
 
 @pytest.mark.slow
-@pytest.mark.model
-def test_experiment_runner_writes_complete_results(tmp_path):
+def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"infra": {"run_dir": str(tmp_path / "runs"), "data_dir": str(tmp_path / "data"),
                                               "train_budget_s": 1200}}))
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": "tiny", "about": "two regimes on two held-out games", "base": str(base), "overrides": TINY,
+        "name": "tiny", "about": "two regimes on two held-out games", "base": str(base), "overrides": tiny(tiny_dir),
         "compare_to": "base",
         "regimes": {"base": {"about": "the untrained policy", "overrides": ["learner.total_updates=0"]},
                     "real_grpo": {"about": "GRPO in the real games, 6 real transitions",

@@ -32,12 +32,10 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.policy import build_choice_prompt
 from infra import metrics
 from infra.config import LearnerConfig
-from infra.engine.models import load_tokenizer
 from infra.redis_server import EmbeddedRedis
 from infra.schema import Status, Step, Task, Trajectory, decode_as, encode
 from infra.streams import (LEARNER_GROUP, StreamConsumer, StreamProducer, connect, dead_letter_stream,
@@ -52,25 +50,6 @@ pytestmark = [pytest.mark.faults]
 
 STATE = "Room: Kitchen. You see a table with a coin.\nActions:\n[1] go north\n[2] take coin\n[3] open door"
 CANDS = ["go north", "take coin", "open door"]
-
-
-def save_tiny_model(out: Path) -> Path:
-    """A random-init 2-layer Llama (hidden 32) with SmolLM2's tokenizer: a model directory engines and
-    the learner load like any other (`engines.model=<dir>`)."""
-    torch.manual_seed(0)
-    tok = load_tokenizer("smollm2")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def tiny_policy(tiny_dir: Path) -> PolicyModel:

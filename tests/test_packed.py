@@ -239,8 +239,7 @@ async def test_engine_logprobs_equal_the_packed_recompute(smollm2, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.model
-async def test_dreamgym_train_rolls_out_multi_turn_and_trains_packed(redis_url, tmp_path):
+async def test_dreamgym_train_rolls_out_multi_turn_and_trains_packed(tiny_run, redis_url):
     """`dreamgym train` (the driver's `train`) on real TextWorld games with the multi-turn policy and
     the learner's own thread settings: every trajectory it pushed is one packed sequence, and each
     update's learner tokens are exactly its trajectories' last prompts."""
@@ -251,14 +250,8 @@ async def test_dreamgym_train_rolls_out_multi_turn_and_trains_packed(redis_url, 
     from infra.schema import decode_as
     from infra.streams import DATA_FIELD, trajectories_stream
 
-    cfg = load_config(None, [
-        f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tmp_path / 'data'}", f"infra.redis_url={redis_url}",
-        "infra.train_budget_s=600", "engines.max_batch_size=4", "simulator.checkpoint=smollm2",
-        "data.textworld_games=2", "data.textworld_heldout=1", "data.textworld_families=[custom]",
-        "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1",
-        "actors.env_kind=real", "actors.num_workers=1", "actors.group_size=2", "actors.concurrent_episodes=2",
-        "actors.max_steps=3", "actors.multi_turn=true", "learner.groups_per_update=1", "learner.total_updates=1",
-        "learner.threads=1", "learner.nice=3", "learner.checkpoint_every=5", "curriculum.variants_per_seed=0"])
+    cfg = load_config(None, [*tiny_run, "actors.max_steps=3", "actors.multi_turn=true", "learner.total_updates=1",
+                             "learner.threads=1", "learner.nice=3", "learner.checkpoint_every=5"])
     summary = await train(cfg, "packed", evaluate=False)
     assert summary["updates"] == 1 and summary["history"][0]["tokens"] > 0
 

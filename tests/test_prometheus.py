@@ -4,8 +4,8 @@ Debian's `prometheus` (installed by `bash infra/setup.sh --prometheus`, which `-
 implies) is started on a free port with a temporary config whose only scrape job
 discovers targets from `<runs>/_prometheus/*.json` (file_sd), as the shipped
 infra/dashboards/prometheus.yml does. The run is the CLI itself, in a
-subprocess, on real TextWorld games with the embedded engines serving SmolLM2 and the
-real learner (the tiny config of tests/test_driver.py), with `infra.metrics_port` set
+subprocess, on real TextWorld games with the embedded engines serving the tiny random
+Llama of conftest (as policy and Mexp) and the real learner, with `infra.metrics_port` set
 and the live fidelity probe on. While it runs, Prometheus must see the driver and both
 embedded engines up; afterwards every panel of every dashboard (infra/dashboards.py) is
 run as a range query over the run's window through Prometheus's HTTP API and must
@@ -76,12 +76,12 @@ def prometheus_server(tmp_path):
         proc.wait(timeout=30)
 
 
-def _train_cmd(runs: Path, data: Path, redis_url: str, metrics_port: int, name: str) -> list[str]:
+def _train_cmd(runs: Path, data: Path, redis_url: str, metrics_port: int, name: str, model: Path) -> list[str]:
     # --sync: roll out, then train, so the learner's update is not starved of the two cores by the engines.
     return [sys.executable, "-m", "infra.cli", "train", "--name", name, "--sync",
             f"infra.run_dir={runs}", f"infra.data_dir={data}", f"infra.redis_url={redis_url}",
             f"infra.metrics_port={metrics_port}", "infra.metrics_linger_s=4", "infra.train_budget_s=600",
-            "engines.max_batch_size=4", "simulator.checkpoint=smollm2",
+            f"engines.model={model}", "engines.max_batch_size=4", f"simulator.checkpoint={model}",
             "simulator.fidelity_every=1", "simulator.fidelity_probe_steps=1", "simulator.max_new_tokens=48",
             "simulator.parse_retries=0",
             "data.textworld_games=2", "data.textworld_heldout=1", "data.textworld_families=[custom]",
@@ -93,8 +93,8 @@ def _train_cmd(runs: Path, data: Path, redis_url: str, metrics_port: int, name: 
             "evaluation.before=false", "evaluation.max_steps=2"]
 
 
-@pytest.mark.timeout(1800)  # two CPU updates of a 135M model, two engines and the probe on a shared 2-core box
-def test_every_dashboard_panel_returns_data_from_a_scraped_run(prometheus_server, redis_url, tmp_path):
+def test_every_dashboard_panel_returns_data_from_a_scraped_run(prometheus_server, redis_url, tmp_path, tiny_dir,
+                                                              tw_data_dir):
     url, runs = prometheus_server
     name = "scraped"
     # An undecodable trajectory: the learner dead-letters it, so the dead-letter panel has a reason to show.
@@ -103,12 +103,12 @@ def test_every_dashboard_panel_returns_data_from_a_scraped_run(prometheus_server
     start = time.time()
     log = tmp_path / "train.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(_train_cmd(runs, tmp_path / "data", redis_url, metrics_port, name), cwd=ROOT,
+        proc = subprocess.Popen(_train_cmd(runs, tw_data_dir, redis_url, metrics_port, name, tiny_dir), cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}, stdout=out,
                                 stderr=subprocess.STDOUT)
         seen_up: set[str] = set()
         try:
-            while proc.poll() is None and time.time() - start < 1700:  # scraped while it runs
+            while proc.poll() is None and time.time() - start < 550:  # scraped while it runs
                 seen_up |= {t["labels"]["job"] + "/" + t["labels"]["instance_name"]
                             for t in prometheus.targets(url) if t["health"] == "up"}
                 time.sleep(1)

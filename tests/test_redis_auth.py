@@ -209,8 +209,8 @@ async def test_ray_worker_and_scheduler_actors_honour_the_tls_ca(tls_redis):
 
 # ----- `dreamgym train` with its embedded Redis: the secret stays in its file -----
 @pytest.mark.slow
-@pytest.mark.model
-async def test_train_keeps_its_redis_password_private_and_bounds_redelivery(tmp_path, caplog, capsys):
+async def test_train_keeps_its_redis_password_private_and_bounds_redelivery(tmp_path, caplog, capsys, tiny_dir,
+                                                                            tw_data_dir, monkeypatch):
     """One tiny `dreamgym train` on its embedded Redis. While it starts, a thread reads the
     job record like an operator would (`dreamgym status`) and plants two entries for the
     learner: one its consumer "learner-0" already got twice (as if it had crashed on it
@@ -221,11 +221,13 @@ async def test_train_keeps_its_redis_password_private_and_bounds_redelivery(tmp_
     from infra.config import load_config
     from infra.run.driver import train
     from infra.schema import Step, Trajectory
+    from learner.learner import Learner
 
     runs = tmp_path / "runs"
     cfg = load_config(None, [
-        f"infra.run_dir={runs}", f"infra.data_dir={tmp_path / 'data'}", "infra.train_budget_s=600",
-        "infra.max_deliveries=2", "engines.max_batch_size=4", "simulator.checkpoint=smollm2",
+        f"infra.run_dir={runs}", f"infra.data_dir={tw_data_dir}", "infra.train_budget_s=600",
+        "infra.max_deliveries=2", f"engines.model={tiny_dir}", "engines.max_batch_size=4",
+        f"simulator.checkpoint={tiny_dir}",
         "data.textworld_games=2", "data.textworld_heldout=1", "data.textworld_families=[custom]",
         "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1", "actors.env_kind=real",
         "actors.num_workers=1", "actors.group_size=2", "actors.concurrent_episodes=2", "actors.max_steps=2",
@@ -243,7 +245,10 @@ async def test_train_keeps_its_redis_password_private_and_bounds_redelivery(tmp_
                 seen["password"] = secret.read_text().strip()
                 seen["status"] = _cli("status", f"infra.run_dir={runs}", "--json")
                 r = syncredis.Redis.from_url(read_job_record(runs)["redis_url"])
-                r.xgroup_create(stream, "learner", id="0", mkstream=True)
+                try:
+                    r.xgroup_create(stream, "learner", id="0", mkstream=True)
+                except syncredis.ResponseError as exc:  # the driver may have made the group already
+                    assert "BUSYGROUP" in str(exc)
                 crashed_on = r.xadd(stream, {b"d": schema.encode(Trajectory("t", "planted", [Step("s", "a")]))})
                 r.xreadgroup("learner", "learner-0", {stream: ">"}, count=1)
                 r.xclaim(stream, "learner", "learner-0", 0, [crashed_on], retrycount=2, justid=True)
@@ -252,6 +257,13 @@ async def test_train_keeps_its_redis_password_private_and_bounds_redelivery(tmp_
                 return
             time.sleep(0.1)
 
+    learner_run = Learner.run
+
+    async def run_once_planted(self, *args, **kwargs):  # the learner "restarts" after the operator planted
+        await asyncio.get_running_loop().run_in_executor(None, watcher.join, 120)
+        return await learner_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Learner, "run", run_once_planted)
     watcher = threading.Thread(target=watch)
     caplog.set_level("DEBUG")
     watcher.start()
