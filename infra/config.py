@@ -124,7 +124,7 @@ class InfraConfig:
     data_dir: str = _f("data", "Directory for offline datasets, generated games and cached embeddings.")
     metrics_port: int = _f(0, "Port of the driver's Prometheus /metrics (learner, curriculum, local workers). 0 disables monitoring; when set, Ray actors also serve /metrics on free ports and the driver lists every target in <run_dir>/monitoring/targets.json (file_sd).", PORT)
     metrics_host: str = _f("127.0.0.1", "Address the driver's and the Ray actors' /metrics bind to (loopback by default; 0.0.0.0 or a node address on a cluster, where Prometheus scrapes from elsewhere).", NON_EMPTY)
-    metrics_linger_s: float = _f(0.0, "Seconds the driver keeps serving /metrics after the run ends, so Prometheus scrapes the final values (the last update, the evaluation's success gap) before the target goes away.", NON_NEGATIVE)
+    metrics_linger_s: float = _f(0.0, "Seconds the run keeps every /metrics target (driver, engines, workers) serving after it ends, so Prometheus scrapes the final values (the last update, the evaluation's success gap) before the targets go away.", NON_NEGATIVE)
     stream_prefix: str = _f("dreamgym", "Prefix of every Redis key this run uses (streams, stats, pool).", NON_EMPTY)
     stream_maxlen: int = _f(100_000, "Approximate MAXLEN bound of each stream (XADD MAXLEN ~).", POSITIVE)
     reclaim_idle_ms: int = _f(30_000, "A consumer's pending entry idle this long is reclaimed by another (XAUTOCLAIM).", POSITIVE)

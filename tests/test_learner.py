@@ -207,6 +207,9 @@ def test_warm_start_driver_entry_writes_a_loadable_model(smollm2, tmp_path):
     expert.timings["policy_name"] = "expert"
     cfg = Config()
     cfg.learner.warm_start_steps, cfg.learner.warm_start_batch, cfg.learner.lora_rank = 1, 1, 4
+    # One example in the order the step was prompted with (shuffled orders teach other letters), and
+    # a rate at which one LoRA step (B starts at 0) moves the log-prob by more than fp noise.
+    cfg.learner.warm_start_permutations, cfg.learner.warm_start_lr = 1, 2e-3
     out = warm_start(cfg, [expert], tmp_path / "warm")
     assert (out / "warm_start.json").exists()
     loaded, _ = load_model(str(out))  # a plain HF directory: what engines and the learner load

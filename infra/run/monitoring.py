@@ -50,6 +50,7 @@ class Monitoring:
         self.server: metrics.MetricsServer | None = None
         self.targets: Targets | None = None
         self._sampler: asyncio.Task | None = None
+        self._lingered = False
 
     @property
     def host(self) -> str:
@@ -65,10 +66,16 @@ class Monitoring:
                  targets_path(self.run_dir))
         return self
 
-    async def aclose(self) -> None:
-        """Keep serving `infra.metrics_linger_s` (the final values get scraped), then stop and unlist everything."""
-        if self.server is not None and self.cfg.metrics_linger_s > 0:
+    async def linger(self) -> None:
+        """Wait `infra.metrics_linger_s` with everything still serving, so Prometheus scrapes the final
+        values of every target (driver, engines, workers) before the run stops them. Once per run."""
+        if self.server is not None and self.cfg.metrics_linger_s > 0 and not self._lingered:
+            self._lingered = True
             await asyncio.sleep(self.cfg.metrics_linger_s)
+
+    async def aclose(self) -> None:
+        """Linger (if nothing did yet), then stop and unlist everything."""
+        await self.linger()
         self.close()
 
     def close(self) -> None:

@@ -94,6 +94,7 @@ class Services:
         return self
 
     async def __aexit__(self, *exc: Any) -> bool:
+        await self.monitoring.linger()  # every target of the run is still up for the last scrape
         return await self._stack.__aexit__(*exc)
 
     def open_buffer(self, offline: list) -> Any:
