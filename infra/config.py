@@ -55,6 +55,10 @@ RESOURCES = (lambda v: all(isinstance(k, str) and k and isinstance(n, (int, floa
              "a mapping of resource names to finite amounts >= 0")
 
 
+DEVICE = (lambda v: isinstance(v, str) and (v in ("cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit())),
+          "'cpu', 'cuda' or 'cuda:N'")
+
+
 def _one_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices))
 
@@ -146,10 +150,7 @@ class EngineConfig:
     max_retries: int = _f(3, "Client: retries of a failed request (with exponential backoff) before giving up.", NON_NEGATIVE)
     health_interval_s: float = _f(5.0, "Client: seconds between health probes of a server marked dead.", POSITIVE)
     dtype: str = _f("float32", "Embedded engine torch dtype.", _one_of("float32", "bfloat16", "float16"))
-    device: str = _f("cpu", "Embedded engine torch device: 'cpu', 'cuda' or 'cuda:N'.",
-                     (lambda v: isinstance(v, str) and (v == "cpu" or v == "cuda" or
-                                                        (v.startswith("cuda:") and v[5:].isdigit())),
-                      "'cpu', 'cuda' or 'cuda:N'"))
+    device: str = _f("cpu", "Embedded engine torch device: 'cpu', 'cuda' or 'cuda:N'.", DEVICE)
     sglang_tp_size: int = _f(1, "SGLang launcher: tensor-parallel size.", POSITIVE)
     sglang_mem_fraction: float = _f(0.85, "SGLang launcher: --mem-fraction-static.", UNIT)
     sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", (lambda v: 1 <= v <= 65535, "a port in [1, 65535]"))
@@ -196,6 +197,8 @@ class SimulatorConfig:
     sft_lora_rank: int = _f(0, "`dreamgym train-mexp`: LoRA rank (0 = full fine-tuning); adapters are merged before saving.", NON_NEGATIVE)
     sft_max_len: int = _f(768, "`dreamgym train-mexp`: longest example in tokens; longer ones are skipped.", POSITIVE)
     sft_max_examples: int = _f(0, "`dreamgym train-mexp`: cap on training examples (0 = all).", NON_NEGATIVE)
+    sft_device: str = _f("cpu", "`dreamgym train-mexp` (and the Mexp SFT `dreamgym train` runs when it has no checkpoint): torch device it trains on, 'cpu', 'cuda' or 'cuda:N'. Checked at start; does not change the cache key of the SFT checkpoint.", DEVICE)
+    sft_dtype: str = _f("float32", "`dreamgym train-mexp`: compute precision. 'bfloat16' is mixed precision (fp32 weights and AdamW state, forward/backward under bf16 autocast; see learner/precision.py); the saved checkpoint stays fp32.", _one_of("float32", "bfloat16"))
     sft_max_heldout: int = _f(64, "`dreamgym train-mexp`: cap on held-out validation examples (0 = all).", NON_NEGATIVE)
     heldout_frac: float = _f(0.2, "Share of offline tasks held out for SFT validation and fidelity when the splits file holds none.", UNIT)
     fidelity_check_steps: int = _f(0, "Before RL, replay this many held-out real steps through Mexp (teacher-forced) and report reward accuracy and ΔR; 0 = no check.", NON_NEGATIVE)
@@ -258,7 +261,9 @@ class LearnerConfig:
     aggregate: str = _f("sequence", "Loss averaging: 'sequence' (per trajectory, then over trajectories: GRPO) or 'token' (over all action tokens: DAPO).", _one_of("sequence", "token"))
     group_timeout_s: float = _f(300.0, "Train on an incomplete GRPO group after waiting this long for its missing members.", POSITIVE)
     is_cap: float = _f(2.0, "staleness_mode='importance': cap of the truncated importance weight.", POSITIVE)
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% slower).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% slower); the policy warm start too.")
+    device: str = _f("cpu", "Torch device of the learner's policy, its reference and the policy warm start: 'cpu', 'cuda' or 'cuda:N'. Checked when `dreamgym train` starts: a device this machine lacks is an error naming this key.", DEVICE)
+    dtype: str = _f("float32", "Learner and policy warm-start compute precision. 'bfloat16' is mixed precision: parameters, gradients and AdamW state stay fp32 (master weights), forward/backward run under torch.autocast(bfloat16) (learner/precision.py); published weights and checkpoints stay fp32.", _one_of("float32", "bfloat16"))
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk.", POSITIVE)
     keep_weights: int = _f(2, "Published weight versions kept on disk.", POSITIVE)
     s2r_real_transitions: int = _f(0, "Sim-to-real: after training in DreamGym, continue the same learner in the real environment for exactly this many real transitions (0 = no real phase).", NON_NEGATIVE)

@@ -31,6 +31,11 @@ in get a strike (retrain once, then dead-letter), so a message that kills the le
 cannot crash-loop it. A crash between the checkpoint and its XACK only causes
 redeliveries that the checkpoint's dedupe memory recognises (never trained twice).
 
+The policy, its KL reference and the proximal (old-policy) passes share one device and
+precision, `learner.device` and `learner.dtype` (learner/precision.py: 'bfloat16' keeps
+fp32 master weights and AdamW state and runs the forwards under bf16 autocast); the
+snapshot of step 2 is a second copy of the trainable weights on that device.
+
 The weight version is the number of updates applied; a trajectory's staleness is
 that minus the version the worker's engine served. Departures from the paper: the
 outcome reward is the trajectory's summed reward (1 at a successful final step).
@@ -57,6 +62,7 @@ from learner.guard import NonFiniteUpdate, WeightGuard
 from learner.inflight import STRIKES_TO_DEAD_LETTER, InflightLedger
 from learner.policy_model import PolicyModel
 from learner.policy_sft import expert_examples, train_on_examples
+from learner.precision import Precision
 from learner.staleness import StalenessFilter
 from learner.update import UpdateStats, apply_update
 
@@ -85,8 +91,11 @@ class Learner:
                  publisher: Any = None, *, group_size: int = 4, policy: PolicyModel | None = None,
                  read_block_ms: int = 500):
         self.cfg, self.run_dir, self.consumer, self.publisher = cfg, Path(run_dir), consumer, publisher
-        self.policy = policy or PolicyModel(model_name, cfg.lora_rank, value_head=cfg.algo == "ppo",
-                                            gradient_checkpointing=cfg.gradient_checkpointing)
+        if policy is None:
+            precision = Precision.checked(cfg.device, cfg.dtype, "learner.device", "learner.dtype")
+            policy = PolicyModel(model_name, cfg.lora_rank, value_head=cfg.algo == "ppo",
+                                 gradient_checkpointing=cfg.gradient_checkpointing, precision=precision)
+        self.policy = policy
         if cfg.kl_coef > 0:
             self.policy.snapshot_reference()
         self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)

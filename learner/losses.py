@@ -70,7 +70,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if ref_logp is not None:
         kl = masked_aggregate(k3_kl(logp, ref_logp.detach()), mask, aggregate)
     else:
-        kl = torch.zeros((), dtype=logp.dtype)
+        kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
     loss = pl + kl_coef * kl if ref_logp is not None and kl_coef > 0 else pl
     return PolicyLossOut(loss, pl.detach(), kl.detach(), clip_frac, approx)
 

@@ -20,6 +20,12 @@ reasoning; examples longer than `sft_max_len` tokens are skipped, not truncated.
 SmolLM2 by default, full fine-tuning or LoRA (peft; adapters merged before saving).
 The output directory is a plain Hugging Face model + tokenizer, which the embedded
 engine loads through `/update_weights_from_disk`.
+
+It trains on `simulator.sft_device` in `simulator.sft_dtype`, Mexp's own settings rather
+than the learner's, since Mexp may train on another node or GPU than the policy.
+'bfloat16' is learner/precision.py's mixed precision (fp32 weights and AdamW state, bf16
+autocast forwards; the token cross-entropy is taken in fp32), so the checkpoint is fp32.
+The device is checked before anything loads.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from rich.table import Table
 from actors.dataset import offline_settings
 from infra.config import SimulatorConfig, add_config_arguments, config_from_args, section_settings, settings_key
 from infra.engine.models import load_model
+from learner.precision import Precision
 from simulator import prompts
 from simulator.embedder import Embedder
 from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
@@ -88,9 +95,15 @@ def _collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "reasoning": reas, "attention_mask": mask}
 
 
-def token_losses(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-target-token negative log-likelihood (flattened), and the reasoning / target masks it applies to."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+def token_losses(model: Any, batch: dict[str, torch.Tensor],
+                 precision: Precision | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-target-token negative log-likelihood (flattened), and the reasoning / target masks it applies to.
+
+    The batch moves to the model's device; the forward runs under `precision`'s autocast."""
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with (precision or Precision()).autocast():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     labels = batch["labels"][:, 1:]
     reas = batch["reasoning"][:, 1:]
     target = labels != IGNORE
@@ -99,7 +112,8 @@ def token_losses(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tens
     return nll.view(labels.shape), reas & target, target & ~reas
 
 
-def evaluate(model: Any, data: list[Encoded], pad_id: int, batch_size: int = 8) -> dict[str, float]:
+def evaluate(model: Any, data: list[Encoded], pad_id: int, batch_size: int = 8,
+             precision: Precision | None = None) -> dict[str, float]:
     """Token-mean held-out loss, and its two Eq. 5 terms."""
     tot = {"all": 0.0, "reasoning": 0.0, "state": 0.0}
     cnt = {"all": 0, "reasoning": 0, "state": 0}
@@ -107,7 +121,7 @@ def evaluate(model: Any, data: list[Encoded], pad_id: int, batch_size: int = 8) 
     model.eval()
     with torch.no_grad():
         for i in range(0, len(data), batch_size):
-            nll, reas, rest = token_losses(model, _collate(data[i:i + batch_size], pad_id))
+            nll, reas, rest = token_losses(model, _collate(data[i:i + batch_size], pad_id), precision)
             for name, m in (("reasoning", reas), ("state", rest), ("all", reas | rest)):
                 tot[name] += float(nll[m].sum())
                 cnt[name] += int(m.sum())
@@ -121,7 +135,8 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    before = evaluate(model, val_data, pad) if val_data else {}
+    precision = Precision(str(next(model.parameters()).device), cfg.sft_dtype)  # autocast where the model is
+    before = evaluate(model, val_data, pad, precision=precision) if val_data else {}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=0.0)
     steps_per_epoch = (len(train_data) + cfg.sft_batch_size - 1) // cfg.sft_batch_size
@@ -137,7 +152,7 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
             rng.shuffle(order)
             for i in range(0, len(order), cfg.sft_batch_size):
                 batch = _collate([train_data[j] for j in order[i:i + cfg.sft_batch_size]], pad)
-                nll, reas, rest = token_losses(model, batch)
+                nll, reas, rest = token_losses(model, batch, precision)
                 target = reas | rest
                 loss = nll[target].sum() / target.sum().clamp(min=1)  # Eq. 5, token-mean over the target
                 opt.zero_grad(set_to_none=True)
@@ -149,13 +164,14 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
                 bar.update(job, advance=1, loss=f"{curve[-1]:.3f}")
     seconds = time.monotonic() - t0
     model.eval()
-    after = evaluate(model, val_data, pad) if val_data else {}
+    after = evaluate(model, val_data, pad, precision=precision) if val_data else {}
     return {"before": before, "after": after, "train_curve": curve, "train_seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds else 0.0}
 
 
-def prepare_model(base: str, lora_rank: int) -> tuple[Any, Any]:
-    model, tokenizer = load_model(base or "smollm2")
+def prepare_model(base: str, lora_rank: int, device: str = "cpu") -> tuple[Any, Any]:
+    """(model, tokenizer) to train: fp32 weights on `device` (master weights under bf16 autocast), LoRA if asked."""
+    model, tokenizer = load_model(base or "smollm2", "float32", device)
     if lora_rank > 0:
         from peft import LoraConfig, get_peft_model  # only with LoRA
 
@@ -177,9 +193,10 @@ def save(model: Any, tokenizer: Any, out_dir: Path) -> Path:
 def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, family: str = "textworld",
             seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """Load the offline data, build examples with retrieval, train, save; returns the report."""
+    Precision.checked(cfg.sft_device, cfg.sft_dtype, "simulator.sft_device", "simulator.sft_dtype")  # before any loading
     trajs = load_offline(data_dir, family)
     train_trajs, held_trajs = split_trajectories(trajs, cfg.heldout_frac, data_dir, family)
-    model, tokenizer = prepare_model(cfg.checkpoint, cfg.sft_lora_rank)
+    model, tokenizer = prepare_model(cfg.checkpoint, cfg.sft_lora_rank, cfg.sft_device)
     embedder = Embedder(cache_path=Path(data_dir) / ".cache" / "embeddings.sqlite")
     with tempfile.TemporaryDirectory(prefix="mexp-sft-buffer-") as tmp:
         buffer = EdgeBuffer(Path(tmp) / "edge", embedder) if cfg.retrieval else None
@@ -240,9 +257,14 @@ SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k
 
 
 def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int) -> dict:
-    """What a cached Mexp SFT checkpoint depends on; the driver keys its cache directory by it."""
-    return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT,
-            **section_settings(cfg, SHAPING_FIELDS, prefixes=("sft_",))}
+    """What a cached Mexp SFT checkpoint depends on; the driver keys its cache directory by it.
+    The device does not shape the weights (beyond float rounding); bf16 compute does, and float32,
+    the default, stays out of the key so the caches written before `sft_dtype` existed still count."""
+    shaping = section_settings(cfg, SHAPING_FIELDS, prefixes=("sft_",))
+    del shaping["sft_device"]
+    if shaping["sft_dtype"] == "float32":
+        del shaping["sft_dtype"]
+    return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT, **shaping}
 
 
 def cache_dir(cfg: Any) -> Path:

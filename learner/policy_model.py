@@ -9,6 +9,12 @@ trajectory (`packed_forward`); lone prompts run as one padded batch, identical o
 the KL penalty is the adapter-free base model under LoRA (no second copy) and a
 frozen copy of the initial weights under full fine-tuning (made only if asked for).
 The value head reads the last layer's hidden state at the prompt's last position.
+
+Device and precision (learner/precision.py): the model, its value head and the frozen
+reference copy live on one device; every forward (the trained one, the no-grad proximal
+and PPO value passes, the reference's) runs under the same autocast, so with 'bfloat16'
+the matmuls compute in bf16 while the parameters, and so the saved weights, stay fp32.
+The value head runs outside autocast, in fp32.
 """
 
 from __future__ import annotations
@@ -25,16 +31,20 @@ from torch import nn
 
 from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
 from infra.engine.models import load_model
+from learner.precision import Precision
 
 log = logging.getLogger(__name__)
 
 
 class PolicyModel(nn.Module):
     def __init__(self, model_name: str = "smollm2", lora_rank: int = 0, value_head: bool = False,
-                 gradient_checkpointing: bool = False, model=None, tokenizer=None):
+                 gradient_checkpointing: bool = False, model=None, tokenizer=None,
+                 precision: Precision | None = None):
         super().__init__()
+        precision = precision or Precision()
         if model is None:
-            model, tokenizer = load_model(model_name)
+            model, tokenizer = load_model(model_name, "float32", precision.device)  # fp32 master weights
+        self.precision = precision
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.lora_rank = lora_rank
@@ -56,6 +66,7 @@ class PolicyModel(nn.Module):
         self._ref: nn.Module | None = None
         self.last_tokens = 0  # tokens the last forward_choice ran through the model (learner tokens/s)
         self.share_prefix = True  # packed trajectories of one group run their common first turn once
+        self.to(precision.device)  # a passed-in model and the value head join the loaded weights
         self.lm.train()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -78,6 +89,11 @@ class PolicyModel(nn.Module):
     def _choice_logits(self, lm: nn.Module, prompts: Sequence[str], chosen_ids: Sequence[int],
                        want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Label-position logits [B, V] (and hidden states) of `prompts`, in their order; tokens run."""
+        with self.precision.autocast():
+            return self._choice_logits_of(lm, prompts, chosen_ids, want_hidden)
+
+    def _choice_logits_of(self, lm: nn.Module, prompts: Sequence[str], chosen_ids: Sequence[int],
+                          want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         segments = pack_prompts(self.tokenizer, prompts, chosen_ids)
         packed = [s for s in segments if len(s.steps) > 1]
         lone = [s for s in segments if len(s.steps) == 1]

@@ -9,6 +9,9 @@ on 128 expert steps took SmolLM2 from 0/9 to 6/9 treasure-hunter games.
 Not in the paper (its policies start from instruction-tuned 3-8B models); here a
 135M model needs it to be a non-trivial starting point for RL. The loss is the
 negative of `choice_logprobs`, the same quantity RL optimises.
+
+It trains on `learner.device` in `learner.dtype`, like the RL learner it hands over to
+(learner/precision.py); the saved model is fp32 either way, loadable by any engine.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from infra.config import LearnerConfig, add_config_arguments, config_from_args, 
 from infra.engine.models import load_tokenizer
 from infra.schema import Task, Trajectory
 from learner.policy_model import PolicyModel
+from learner.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +135,14 @@ def warm_start(cfg: Any, offline: Iterable[Trajectory], out_dir: str | Path,
     for cfg.learner.warm_start_steps steps and save a Hugging Face directory at `out_dir`
     (LoRA merged) that engines and the learner load. Returns `out_dir`."""
     lc = cfg.learner
+    precision = Precision.checked(lc.device, lc.dtype, "learner.device", "learner.dtype")  # before any loading
     examples = expert_examples(offline, load_tokenizer(cfg.engines.model), permutations=lc.warm_start_permutations,
                                seed=cfg.infra.seed, multi_turn=cfg.actors.multi_turn,
                                max_chat_chars=cfg.actors.chat_max_chars)
     if not examples:
         raise ValueError("warm start: no expert transitions in the offline data (collect with policies: [expert, ...])")
-    policy = PolicyModel(cfg.engines.model, lora_rank=lc.lora_rank, gradient_checkpointing=lc.gradient_checkpointing)
+    policy = PolicyModel(cfg.engines.model, lora_rank=lc.lora_rank, gradient_checkpointing=lc.gradient_checkpointing,
+                         precision=precision)
     losses = train_on_examples(policy, examples, lc.warm_start_steps, lc.warm_start_lr, lc.warm_start_batch,
                                cfg.infra.seed, lc.max_grad_norm, on_step)
     out = Path(out_dir)
@@ -180,9 +186,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cache_settings(cfg: LearnerConfig, model: str, offline_key: str, seed: int, multi_turn: bool = False) -> dict:
-    """What a cached warm-started policy depends on; the driver keys its cache directory by it."""
+    """What a cached warm-started policy depends on; the driver keys its cache directory by it.
+    The device does not shape the weights (beyond float rounding); bf16 compute does, and float32,
+    the default, stays out of the key so the caches written before `learner.dtype` existed still count."""
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": PROMPT_FORMAT,
             **({"prompt_mode": "multi_turn"} if multi_turn else {}),
+            **({"dtype": cfg.dtype} if cfg.dtype != "float32" else {}),
             **section_settings(cfg, ("lora_rank",), prefixes=("warm_start_",))}
 
 

@@ -175,7 +175,7 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
 
         def table(src: list, j: int | None = None) -> torch.Tensor:
             flat = [x if j is None else x[j] for i in idx for x in src[i]]
-            return _pad(part, torch.tensor(flat, dtype=logp.dtype))
+            return _pad(part, torch.tensor(flat, dtype=logp.dtype, device=logp.device))
 
         ref = None
         if cfg.kl_coef > 0:
@@ -188,7 +188,7 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
         w = len(logp_flat) / total_tokens
         scale = (len(part) / total_rows) if cfg.aggregate == "sequence" else w
         loss = out.loss * scale
-        vl = torch.zeros(())
+        vl = torch.zeros((), device=logp.device)
         if cfg.algo == "ppo" and v_flat is not None:
             vl = value_loss(_pad(part, v_flat), table(fixed.adv, 1), mask, table(fixed.adv, 2), cfg.clip_eps)
             loss = loss + cfg.value_coef * vl * w

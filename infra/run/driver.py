@@ -7,7 +7,8 @@
                             ▼      │ replay buffer (top-k grounding, grows with synthetic steps)
                        synthetic env ── Mexp engine
 
-data (collect or reuse, infra/run/artifacts.py) → the replay buffer (seeded, or
+the devices of the learner and Mexp SFT (checked first: `check_devices`) → data
+(collect or reuse, infra/run/artifacts.py) → the replay buffer (seeded, or
 reopened on --resume) → Mexp (SFT or cached checkpoint) → engines (embedded unless
 endpoints are configured) → Mexp's fidelity on held-out real steps → held-out REAL
 evaluation → the RL phases (`rl_plan`), in each of which GRPO/PPO updates while N
@@ -53,6 +54,7 @@ from infra.schema import Trajectory, decode_as, encode
 from infra.streams import (LEARNER_GROUP, StreamConsumer, StreamProducer, stream_backlog, tasks_stream,
                            trajectories_stream)
 from learner.learner import Learner
+from learner.precision import Precision
 from learner.weights import WeightPublisher
 from simulator.curriculum import CurriculumScheduler
 from simulator.embedder import Embedder
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = True) -> dict:
     """The whole run; returns its summary (also written to runs/<name>/summary.json)."""
+    check_devices(cfg)
     console, t_start = Console(), time.time()
     plan = rl_plan(cfg)
     dreamgym = any(c.actors.env_kind == "synthetic" for c, _, _ in plan)
@@ -119,6 +122,13 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
                                  offline, fidelity)
         return report.write_report(svc.run_dir, summary, history, console)
+
+
+def check_devices(cfg: Config) -> None:
+    """Before anything starts: the learner, the policy warm start and Mexp SFT run in this process, so
+    a device this machine lacks fails now with the setting's name (ConfigError), not minutes later in torch."""
+    Precision.checked(cfg.learner.device, cfg.learner.dtype, "learner.device", "learner.dtype")
+    Precision.checked(cfg.simulator.sft_device, cfg.simulator.sft_dtype, "simulator.sft_device", "simulator.sft_dtype")
 
 
 def rl_plan(cfg: Config) -> list[tuple[Config, str, int]]:
