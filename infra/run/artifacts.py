@@ -96,9 +96,16 @@ def policy_start(cfg: Config, offline: list, console: Any = None) -> str:
     if cfg.learner.warm_start_steps <= 0:
         return cfg.engines.model
 
+    steps, t0 = cfg.learner.warm_start_steps, time.perf_counter()
+    every = max(1, steps // 8)
+
+    def report(i: int, loss: float) -> None:  # a line per eighth: a CPU warm start takes minutes
+        if (i + 1) % every == 0 or i + 1 == steps:
+            say(console, f"  warm start step {i + 1}/{steps}: loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)")
+
     def warm_start(cache: Path) -> str:
-        policy_sft.warm_start(cfg, offline, cache)
-        return f"{cfg.learner.warm_start_steps} steps"
+        policy_sft.warm_start(cfg, offline, cache, on_step=report)
+        return f"{steps} steps"
 
     return cached_model(policy_sft.cache_dir(cfg), "warm-started policy",
                         warm_start, console)
