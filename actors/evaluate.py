@@ -179,8 +179,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             chooser, cleanup = await _engine_chooser(args, cfg)
         try:
-            return await evaluate(chooser, tasks, args.family, max_steps=cfg.data.max_steps,
-                                  episodes_per_task=args.episodes, concurrency=cfg.data.workers if args.policy in ("expert", "random", "noisy") else 1,
+            scripted = args.policy in ("expert", "random", "noisy")
+            return await evaluate(chooser, tasks, args.family, max_steps=cfg.evaluation.max_steps or cfg.data.max_steps,
+                                  episodes_per_task=args.episodes, concurrency=cfg.data.workers if scripted else 1,
                                   policy_name=args.policy)
         finally:
             if cleanup is not None:
