@@ -204,6 +204,9 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert rows["base"]["episodes"] == rows["real_grpo"]["episodes"] == 2
     assert rows["real_grpo"]["vs"] == "base" and rows["real_grpo"]["diff_tasks"] == 2
     assert (out / "results.md").read_text().count("|") > 10 and (out / "success_vs_real.png").stat().st_size > 1000
+    anchors = res["anchors"]  # the scripted floor and ceiling on the same held-out games
+    assert anchors["expert"]["success_rate"] == 1.0 and anchors["random"]["episodes"] == 2
+    assert "Scripted choosers on the same held-out games: random" in (out / "results.md").read_text()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumable: nothing to redo
     assert again.returncode == 0 and again.stdout.count("finished earlier, skipped") == 2
 

@@ -14,7 +14,9 @@ The results: `results.json` and `results.md` (success with a 95 % Wilson interva
 the paired difference to the `compare_to` regime with a bootstrap interval over
 tasks, real transitions used, synthetic transitions, Mexp reward accuracy and ΔR,
 wall time) and `success_vs_real.png` (held-out success against online real
-transitions used). Caches are keyed by content (infra/run/artifacts.py), so regimes
+transitions used). Beside the regimes, the scripted random and expert choosers play the
+same held-out games (`dreamgym eval --policy random|expert`, seconds each): the floor
+and the ceiling a learned policy sits between. Caches are keyed by content (infra/run/artifacts.py), so regimes
 share the offline data and the policy warm start, and an ablation that changes how
 Mexp is trained (no reasoning) trains its own Mexp.
 
@@ -135,6 +137,27 @@ def run_regime(exp: Experiment, regime: Regime, console: Console) -> dict:
     return summary
 
 
+ANCHORS = ("random", "expert")
+
+
+def run_anchors(exp: Experiment, console: Console) -> dict[str, dict]:
+    """The scripted choosers on the same held-out games (cached in <experiment>/anchors/<policy>.json)."""
+    out = run_dir(exp) / "anchors"
+    out.mkdir(parents=True, exist_ok=True)
+    reports = {}
+    for policy in ANCHORS:
+        path = out / f"{policy}.json"
+        if not path.exists():
+            cmd = [sys.executable, "-m", "infra.cli", "eval", *exp.config_args(Regime("anchor")), "--policy", policy,
+                   "--out", str(path)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if proc.returncode != 0:
+                console.print(f"[yellow]anchor {policy} failed (exit {proc.returncode}): {proc.stderr[-400:]}[/]")
+                continue
+        reports[policy] = json.loads(path.read_text())
+    return reports
+
+
 def row(name: str, about: str, s: dict, baseline: dict | None, baseline_name: str) -> dict:
     """One regime's line of the results: success and its interval, the paired difference, the costs."""
     after = s["heldout_after"]
@@ -155,11 +178,13 @@ def row(name: str, about: str, s: dict, baseline: dict | None, baseline_name: st
     return out
 
 
-def results(exp: Experiment, summaries: dict[str, dict]) -> dict:
+def results(exp: Experiment, summaries: dict[str, dict], anchors: dict[str, dict] | None = None) -> dict:
     base = summaries.get(exp.compare_to)
     rows = [row(r.name, r.about, summaries[r.name], base, exp.compare_to) for r in exp.regimes if r.name in summaries]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
-            "regimes": rows, "missing": [r.name for r in exp.regimes if r.name not in summaries]}
+            "regimes": rows, "missing": [r.name for r in exp.regimes if r.name not in summaries],
+            "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
+                        for p, a in (anchors or {}).items()}}
 
 
 def _pct(x: Any) -> str:
@@ -180,6 +205,10 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}] "
                      f"| {diff} | {r['real_transitions']} | {r['synthetic_transitions']} | {r['updates']} | {acc} "
                      f"| {dr} | {r['wall_seconds'] or 0:.0f} |")
+    if res.get("anchors"):
+        lines += ["", "Scripted choosers on the same held-out games: " + ", ".join(
+            f"{p} {_pct(a['success_rate'])} [{_pct(a['ci_low'])}, {_pct(a['ci_high'])}]"
+            for p, a in res["anchors"].items()) + "."]
     if res["missing"]:
         lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
     lines += ["", f"{res['regimes'][0]['episodes'] if res['regimes'] else 0} held-out episodes per regime; "
@@ -199,6 +228,10 @@ def plot(res: dict, path: Path) -> Path:
         x, y = r["real_transitions"], r["success_rate"]
         ax.errorbar([x], [y], yerr=[[y - r["ci_low"]], [r["ci_high"] - y]], fmt="o", capsize=4, label=r["regime"])
         ax.annotate(r["regime"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    for p, a in res.get("anchors", {}).items():
+        ax.axhline(a["success_rate"], ls=":", lw=1, color="grey")
+        ax.annotate(f"{p} chooser", (0, a["success_rate"]), textcoords="offset points", xytext=(2, 2), fontsize=7,
+                    color="grey")
     ax.set_xlabel("online real transitions used")
     ax.set_ylabel("held-out real success")
     ax.set_ylim(-0.02, 1.02)
@@ -210,8 +243,8 @@ def plot(res: dict, path: Path) -> Path:
     return path
 
 
-def write_results(exp: Experiment, summaries: dict[str, dict]) -> dict:
-    res = results(exp, summaries)
+def write_results(exp: Experiment, summaries: dict[str, dict], anchors: dict[str, dict] | None = None) -> dict:
+    res = results(exp, summaries, anchors)
     out = run_dir(exp)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
@@ -270,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
                 old.rename(old.with_name(f"{r.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
             run_regime(exp, r, console)
     summaries = {r.name: s for r in exp.regimes if (s := finished(exp, r)) is not None}
-    res = write_results(exp, summaries)
+    res = write_results(exp, summaries, run_anchors(exp, console))
     print_table(res, console)
     console.print(f"results: {run_dir(exp) / 'results.md'} ({time.time() - t0:.0f} s)")
     return 0
