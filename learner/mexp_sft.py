@@ -146,7 +146,8 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
 
     with Progress(TextColumn("train-mexp"), BarColumn(), TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
                   TimeRemainingColumn(), disable=not progress) as bar:
-        job = bar.add_task("sft", total=steps_per_epoch * cfg.sft_epochs, loss="-")
+        total = steps_per_epoch * cfg.sft_epochs
+        job = bar.add_task("sft", total=total, loss="-")
         for _epoch in range(cfg.sft_epochs):
             order = list(range(len(train_data)))
             rng.shuffle(order)
@@ -162,6 +163,9 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
                 tokens += int(batch["attention_mask"].sum())
                 curve.append(loss.item())
                 bar.update(job, advance=1, loss=f"{curve[-1]:.3f}")
+                if len(curve) % max(1, total // 8) == 0:  # a log line per eighth: a bar is invisible in a log file
+                    log.info("Mexp SFT step %d/%d: loss %.3f (%.0f s)", len(curve), total, curve[-1],
+                             time.monotonic() - t0)
     seconds = time.monotonic() - t0
     model.eval()
     after = evaluate(model, val_data, pad, precision=precision) if val_data else {}
