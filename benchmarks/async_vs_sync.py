@@ -69,7 +69,11 @@ class StandInLearner:
         return True
 
 
-async def one_mode(mode: str, url: str, args: argparse.Namespace) -> tuple[float, int]:
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
+async def one_mode(mode: str, url: str, args: argparse.Namespace) -> tuple[float, int, str]:
     prefix = f"bench-{mode}"
     client = connect(url)
     cfg = ActorsConfig(group_size=args.group_size, concurrent_episodes=args.group_size, max_steps=4)
@@ -98,11 +102,11 @@ async def one_mode(mode: str, url: str, args: argparse.Namespace) -> tuple[float
             await learner.step()
         stop.set()
         await feeder
-    wall = time.perf_counter() - t0
+    wall, at_end = time.perf_counter() - t0, load()
     for w in workers:
         await w.stop(drain=False)
     await client.aclose()
-    return wall, learner.trajectories
+    return wall, learner.trajectories, at_end
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -114,9 +118,9 @@ async def main(args: argparse.Namespace) -> None:
             shutdown_ray()
     print(f"workload: {args.updates} updates x {args.groups} groups x G={args.group_size}; {args.workers} workers, "
           f"step time {args.step_s:.3f}s x (1,2,4,..); update {args.update_s:.2f}s")
-    for m, (wall, n) in results.items():
-        print(f"{m:>5}: {n} trajectories in {wall:6.2f} s = {n / wall:6.2f} trajectories/s")
-    (ws, ns), (wa, na) = results["sync"], results["async"]
+    for m, (wall, n, at_end) in results.items():
+        print(f"{m:>5}: {n} trajectories in {wall:6.2f} s = {n / wall:6.2f} trajectories/s  ({at_end})")
+    (ws, ns, _), (wa, na, _) = results["sync"], results["async"]
     print(f"async/sync throughput ratio: {(na / wa) / (ns / ws):.2f}x  (target >= 2.5x; AReaL reports 2.77x on GPUs)")
 
 

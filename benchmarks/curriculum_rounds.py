@@ -15,10 +15,16 @@ import argparse
 import asyncio
 import os
 import random
+import sys
 import time
 from collections import Counter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
+
+
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -68,7 +74,7 @@ async def main(args: argparse.Namespace) -> None:
                     if (b + 1) % cfg.generate_every == 0:
                         r = gen.last_round
                         console.print(f"round after batch {b + 1}: {len(r.accepted)} accepted, {len(r.rejected)} "
-                                      f"rejected, {time.perf_counter() - t0:.0f} s")
+                                      f"rejected, {time.perf_counter() - t0:.0f} s  ({load()})")
                         outcomes.update(["accepted"] * len(r.accepted) + [x.reason for x in r.rejected])
                         for x in r.rejected[:3]:
                             console.print(f"  rejected ({x.reason}: {x.detail}): {x.raw[:100]!r}")
@@ -76,11 +82,14 @@ async def main(args: argparse.Namespace) -> None:
                             console.print(f"  accepted (parent {t.parent_id}): {t.instruction[:120]!r}")
                 total = sum(outcomes.values())
                 console.print(f"Mtask: {outcomes['accepted']}/{total} accepted ({outcomes['accepted'] / max(1, total):.0%}); "
-                              f"by outcome {dict(outcomes)}; {gen_seconds:.0f} s waiting on generation")
+                              f"by outcome {dict(outcomes)}; {gen_seconds:.0f} s waiting on generation  ({load()})")
+                share = sched.generated_handed_out / max(1, sched.handed_out)
                 console.print(f"handed out {sched.handed_out} tasks, {sched.generated_handed_out} generated "
-                              f"({sched.generated_handed_out / max(1, sched.handed_out):.0%}, λ = {cfg.lam})")
+                              f"({share:.0%}, λ = {cfg.lam})  ({load()})")
                 console.print(f"picks by tier (0 informative, 1 unseen, 2 zero variance): {dict(picked_tier)}")
                 console.print(render_table(await pool_report(client, "bench"), limit=20))
+                console.print(f"ratio generated share handed out / λ: {share / cfg.lam if cfg.lam else float('nan'):.2f} "
+                              f"(Mtask acceptance {outcomes['accepted']}/{total})  ({load()})")
         finally:
             await engine.stop()
             await client.aclose()

@@ -50,6 +50,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
+
 # Llama shapes with SmolLM2's vocabulary (its tokenizer drives the prompts).
 PRESETS = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -241,6 +243,7 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
     texts = prompts(tok, top * args.rounds)
     prompt_len = sum(len(tok(t, add_special_tokens=False).input_ids) for t in texts) / len(texts)
     rows: dict[str, float] = {}
+    ratios: list[str] = []  # the run's closing line: the ratios this benchmark exists to show
     contenders = start_contenders(args.contenders) if args.contenders else []
     if contenders:
         print(f"{len(contenders)} contender processes (fp32 matmul, 2 threads each) run beside the engine")
@@ -271,9 +274,12 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
                 rows[f"engine@{c}"] = rate = await engine_at(c)
                 extra = f" = {rate / seq:5.2f}x sequential generate" if seq else ""
                 print(f"embedded engine, {c:2d} concurrent: {rate:7.1f} tokens/s{extra}  {la()}")
+            if seq:
+                ratios.append(f"engine@{top} / sequential generate {rows[f'engine@{top}'] / seq:.2f}x")
             if bw:
                 bound = decode_bound(model, bw, flops, top, prompt_len + args.tokens / 2)
                 share = rows[f"engine@{top}"] / bound
+                ratios.append(f"engine@{top} / bound {100 * share:.1f} %")
                 print(f"bound at {top} concurrent (context {prompt_len + args.tokens / 2:.0f}): {bound:7.1f} tokens/s; "
                       f"engine = {100 * share:4.1f} % of it (goal >= 60 %)")
         if "grpo" in sections:
@@ -294,12 +300,15 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
                     await handle.stop()
             for mb in [b for b in budgets if b > 0]:
                 print(f"  ratio, prefix cache {mb:g} MB / off: {got[mb] / got[0.0]:5.2f}x")
+                ratios.append(f"prefix cache {mb:g} MB / off {got[mb] / got[0.0]:.2f}x")
         if "threads" in sections and cpu:
+            by_threads = {}
             for t in threads:
                 torch.set_num_threads(t)
-                rate = await engine_at(top)
+                by_threads[t] = rate = await engine_at(top)
                 print(f"threads={t}: embedded engine, {top} concurrent: {rate:7.1f} tokens/s  {la()}")
             torch.set_num_threads(base_threads)
+            ratios += [f"threads {t} / {base_threads} {by_threads[t] / by_threads[base_threads]:.2f}x" for t in threads[1:]]
         if "dtypes" in sections:
             from infra.engine.models import load_weights
 
@@ -318,11 +327,15 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
                 print(f"dtype={dtype:9s}: embedded engine, {top} concurrent: {rate:7.1f} tokens/s; log-prob gap to fp32 "
                       f"{gap:.2e}, greedy agreement {100 * agree:5.1f} % of positions  {la()}")
                 del m
+            ratios += [f"{d} / float32 {rows[f'dtype {d}'] / rows['dtype float32']:.2f}x"
+                       for d in args.dtypes.split(",") if d != "float32" and "dtype float32" in rows]
         if "compare" in sections and args.compare_url:
             rate = await openai_rate(args.compare_url, texts[: top * args.rounds], args.tokens, top)
             ours = rows.get(f"engine@{top}") or await engine_at(top)
             print(f"{args.compare_url}, {top} concurrent: {rate:7.1f} tokens/s; embedded engine (fp32) = "
                   f"{ours / rate:5.2f}x this server (goal >= 2x)  {la()}")
+            ratios.append(f"engine / {args.compare_url} {ours / rate:.2f}x")
+        print(f"ratios: {'; '.join(ratios) or 'none (no section that compares ran)'}  {la()}")
     finally:
         for p in contenders:
             p.kill()

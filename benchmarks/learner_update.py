@@ -22,17 +22,20 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
 
 import torch
 
-from actors.policy import PolicyDecision, choice_logprobs, choice_turn, pack_prompts
-from infra.config import LearnerConfig
-from infra.engine.models import load_model
-from infra.schema import Status, Step, Task, Trajectory
-from learner.advantages import group_advantages
-from learner.policy_model import PolicyModel
-from learner.update import Unit, apply_update
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
+
+from actors.policy import PolicyDecision, choice_logprobs, choice_turn, pack_prompts, packed_forward  # noqa: E402
+from infra.config import LearnerConfig  # noqa: E402
+from infra.engine.models import load_model  # noqa: E402
+from infra.schema import Status, Step, Task, Trajectory  # noqa: E402
+from learner.advantages import group_advantages  # noqa: E402
+from learner.policy_model import PolicyModel  # noqa: E402
+from learner.update import Unit, apply_update, chunks_of, rows_of  # noqa: E402
 
 ROOMS = ["Kitchen", "Hall", "Study", "Cellar", "Garden", "Attic"]
 CANDS = [f"go {d}" for d in ("north", "south", "east", "west")] + ["take key", "open chest", "look"]
@@ -80,20 +83,25 @@ def time_update(policy: PolicyModel, cfg: LearnerConfig, units, repeats: int) ->
     return (time.perf_counter() - t0) / repeats, tokens
 
 
-def time_bare(model, tok, units, repeats: int) -> tuple[float, int]:
-    """A bare forward+backward over the very sequences a packed update runs: no loss maths, no optimizer."""
-    seqs = []
-    for u in units:
-        for t in u.trajs:
-            for s in pack_prompts(tok, [x.policy_prompt for x in t.steps], [x.action_token_ids[0] for x in t.steps]):
-                seqs.append((torch.tensor([s.ids]), torch.tensor(s.positions)))
+def time_bare(model, tok, cfg: LearnerConfig, units, repeats: int) -> tuple[float, int]:
+    """A bare forward+backward over the very sequences a packed update runs (its micro-batches, a
+    group's common first turn run once as learner/policy_model.py does): no loss maths, no optimizer."""
+    rows = rows_of(units)
+    chunks = []
+    for idx in chunks_of(rows, cfg.micro_batch):
+        steps = [s for i in idx for s in rows[i].steps]
+        chunks.append(pack_prompts(tok, [s.policy_prompt for s in steps], [s.action_token_ids[0] for s in steps]))
     model.train()
     t0 = time.perf_counter()
+    tokens = 0
     for _ in range(repeats):
-        for ids, keep in seqs:
-            model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits.sum().backward()
+        tokens = 0
+        for segments in chunks:
+            logits, _, n = packed_forward(model, segments, share_prefix=True)
+            logits.sum().backward()
+            tokens += n
         model.zero_grad(set_to_none=True)
-    return (time.perf_counter() - t0) / repeats, sum(ids.shape[1] for ids, _ in seqs)
+    return (time.perf_counter() - t0) / repeats, tokens
 
 
 def main() -> None:
@@ -118,13 +126,14 @@ def main() -> None:
     for name, multi_turn, rank in runs:
         units = batch(model, tok, args.groups, args.group_size, args.steps, multi_turn)
         policy = PolicyModel(lora_rank=rank, model=copy.deepcopy(model), tokenizer=tok)
-        s, tokens = time_update(policy, LearnerConfig(lora_rank=rank), units, args.repeats)
+        cfg = LearnerConfig(lora_rank=rank)
+        s, tokens = time_update(policy, cfg, units, args.repeats)
         results[name] = s
         print(f"{name:>16}: {s:6.1f} s/update, {tokens:5d} tokens, {tokens / s:6.1f} learner tokens/s, "
               f"{n_steps / s:5.2f} steps/s  ({load()})")
         del policy
         if name == "packed":
-            bare_s, bare_tokens = time_bare(copy.deepcopy(model), tok, units, args.repeats)
+            bare_s, bare_tokens = time_bare(copy.deepcopy(model), tok, cfg, units, args.repeats)
             assert bare_tokens == tokens, (bare_tokens, tokens)
             print(f"{'bare fwd+bwd':>16}: {bare_s:6.1f} s, {bare_tokens:5d} tokens, {bare_tokens / bare_s:6.1f} tokens/s"
                   f"  ({load()})")

@@ -51,6 +51,10 @@ def tiny_model(out: Path) -> Path:
     return out
 
 
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
 def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, bytes) in MB per minute."""
     if len(samples) < 2:
@@ -115,6 +119,8 @@ def main() -> int:
         try:
             while proc.poll() is None:
                 time.sleep(args.every)
+                if proc.poll() is not None:  # exited during the sleep: an unreaped driver reads as 0 MB
+                    break
                 if t0 is None:  # the clock starts when the learner is running (first update's file)
                     if not (work / "runs" / name / "learner_inflight.json").exists():
                         continue
@@ -122,12 +128,14 @@ def main() -> int:
                 t = time.monotonic() - t0
                 for label, pr in job_processes(root).items():
                     try:
-                        series.setdefault(f"rss {label}", []).append((t, pr.memory_info().rss))
+                        if pr.status() != psutil.STATUS_ZOMBIE:
+                            series.setdefault(f"rss {label}", []).append((t, pr.memory_info().rss))
                     except psutil.NoSuchProcess:
                         pass
                 series.setdefault("rss redis-server", []).append((t, redis_proc.memory_info().rss))
                 series.setdefault("redis used_memory", []).append((t, client.info("memory")["used_memory"]))
                 series.setdefault("stream length", []).append((t, client.xlen(stream) * 1e6))  # counted as "MB"
+                series.setdefault("load average 1m", []).append((t, os.getloadavg()[0] * 1e6))  # as "MB" too
             rc = proc.wait()
         finally:
             if proc.poll() is None:
@@ -141,17 +149,23 @@ def main() -> int:
     for label, samples in series.items():
         cut = max(1, int(len(samples) * args.warmup))
         fit = samples[cut:]
-        unit = "entries/min" if label == "stream length" else "MB/min"
+        unit = {"stream length": "entries/min", "load average 1m": "per min"}.get(label, "MB/min")
         first, last = samples[0][1], samples[-1][1]
-        scale = 1 if label == "stream length" else 1e6
-        rows.append({"series": label, "samples": len(samples), "first": round(first / scale, 1),
-                     "last": round(last / scale, 1), "slope": round(slope_mb_per_min(fit), 3), "unit": unit})
+        rows.append({"series": label, "samples": len(samples), "first": round(first / 1e6, 1),  # all stored x 1e6
+                     "last": round(last / 1e6, 1), "slope": round(slope_mb_per_min(fit), 3), "unit": unit})
     print(f"soak: {args.minutes:g} min, exit {rc}, {summary.get('updates', '?')} updates, "
           f"{summary.get('trajectories_trained', '?')} trajectories trained, "
           f"{summary.get('trajectories_pushed', '?')} pushed; slopes fitted after the first {args.warmup:.0%}")
     print(f"{'series':32} {'samples':>7} {'first':>10} {'last':>10} {'slope':>10}")
     for r in rows:
         print(f"{r['series']:32} {r['samples']:7d} {r['first']:10.1f} {r['last']:10.1f} {r['slope']:10.3f} {r['unit']}")
+    memory = [r for r in rows if r["unit"] == "MB/min" and r["slope"] == r["slope"]]  # not NaN
+    if memory:
+        worst = max(memory, key=lambda r: r["slope"])
+        print(f"ratio steepest memory slope / goal (1 MB/min): {worst['slope'] / 1.0:.2f} ({worst['series']})  "
+              f"({load()} at end)")
+    else:
+        print("ratio steepest memory slope / goal (1 MB/min): n/a (no samples: the learner never started)")
     if args.json:
         Path(args.json).write_text(json.dumps({"minutes": args.minutes, "rc": rc, "summary": {
             k: summary.get(k) for k in ("updates", "trajectories_trained", "trajectories_pushed")},

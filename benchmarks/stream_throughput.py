@@ -14,14 +14,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
+import sys
 import time
 
 import redis
 
-from infra import schema
-from infra.redis_server import EmbeddedRedis
-from infra.schema import Step, Trajectory
-from infra.streams import StreamConsumer, StreamProducer, connect
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
+
+from infra import schema  # noqa: E402
+from infra.redis_server import EmbeddedRedis  # noqa: E402
+from infra.schema import Step, Trajectory  # noqa: E402
+from infra.streams import StreamConsumer, StreamProducer, connect  # noqa: E402
+
+
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
 
 
 def make_trajectory(target_bytes: int, i: int = 0) -> Trajectory:
@@ -118,14 +126,17 @@ def main() -> None:
     server = None if args.redis_url else EmbeddedRedis().start()
     url = args.redis_url or server.url  # type: ignore[union-attr]
     try:
-        print(f"{'size':>6} {'encoded':>8} {'path traj/s':>12} {'raw XADD/s':>11} {'raw piped/s':>12} {'ratio':>6} {'ratio vs piped':>15}")
+        print(f"{'size':>6} {'encoded':>8} {'path traj/s':>12} {'raw XADD/s':>11} {'raw piped/s':>12} {'ratio':>6} {'ratio vs piped':>15}  load at end")
+        ratios = []
         for size in (2_000, 20_000):
             encoded = len(schema.encode(make_trajectory(size)))
             path = whole_path_rate(url, args.n, size)
             raw = raw_xadd_rate(url, args.n, size, pipelined=False)
             piped = raw_xadd_rate(url, args.n, size, pipelined=True)
-            print(f"{size // 1000:>4}KB {encoded:>8} {path:>12.0f} {raw:>11.0f} {piped:>12.0f} {path / raw:>6.2f} {path / piped:>15.2f}")
+            ratios.append(f"{path / raw:.2f} ({size // 1000}KB)")
+            print(f"{size // 1000:>4}KB {encoded:>8} {path:>12.0f} {raw:>11.0f} {piped:>12.0f} {path / raw:>6.2f} {path / piped:>15.2f}  {load()}")
         print("ratio = whole path (encode, XADD, XREADGROUP, decode, XACK; two processes) / plain unpipelined XADD of the same bytes")
+        print(f"ours / raw XADD ratio: {', '.join(ratios)}")
     finally:
         if server:
             server.stop()
