@@ -28,27 +28,13 @@ from pathlib import Path
 
 import psutil
 import redis
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from infra.engine.models import load_tokenizer  # noqa: E402
+from infra.engine.models import save_tiny_model  # noqa: E402
 from infra.redis_server import EmbeddedRedis  # noqa: E402
 from infra.streams import trajectories_stream  # noqa: E402
-
-
-def tiny_model(out: Path) -> Path:
-    torch.manual_seed(0)
-    tok = load_tokenizer("smollm2")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 def load() -> str:
@@ -93,7 +79,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = work / "tiny-llama"
     if not (model / "config.json").exists():
-        tiny_model(model)
+        save_tiny_model(model)
     budget_s = args.minutes * 60
     name = "soak"
     with EmbeddedRedis(data_dir=work / "redis", appendonly=True) as server:

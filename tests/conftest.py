@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from infra.engine.models import save_tiny_model
 from infra.redis_server import EmbeddedRedis
 
 
@@ -37,28 +38,9 @@ def smollm2():
     return load_model("smollm2")
 
 
-def save_tiny_model(out: Path) -> Path:
-    """A random-init 2-layer Llama (hidden 32) with SmolLM2's real tokenizer: a model directory the
-    engines, the learner and the Mexp load like any other (`engines.model=<dir>`). Same prompts and
-    code paths as SmolLM2, milliseconds per forward, kilobytes per checkpoint."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from infra.engine.models import load_tokenizer
-
-    torch.manual_seed(0)
-    tok = load_tokenizer("smollm2")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
+    """The tiny random Llama of infra.engine.models.save_tiny_model (SmolLM2's tokenizer), made once."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 

@@ -97,3 +97,23 @@ def load_weights(name: str, dtype: str = "float32", device: str = "cpu"):
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu"):
     """(model, tokenizer) in eval mode on `device`."""
     return load_weights(name, dtype, device), load_tokenizer(name)
+
+
+def save_tiny_model(out: str | Path, seed: int = 0) -> Path:
+    """A random-init 2-layer Llama (hidden 32) with SmolLM2's real tokenizer, saved as a model
+    directory that engines, the learner and Mexp load like any other (`engines.model=<dir>`).
+    Same prompts and code paths as SmolLM2, milliseconds per forward, kilobyte checkpoints: the
+    model of the end-to-end tests and of the soak benchmark. It learns nothing useful."""
+    import torch  # heavy: only when a model is made
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: only when a model is made
+
+    torch.manual_seed(seed)
+    tok = load_tokenizer(DEFAULT_MODEL)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=True)
+    out = Path(out)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
