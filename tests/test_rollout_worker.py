@@ -197,3 +197,28 @@ async def test_a_task_that_always_fails_is_nacked_then_dead_lettered_and_others_
     assert {t.task_id for t in await read_trajs(client)} == {"task1"}
     assert (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0
     await client.aclose()
+
+
+async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_url):
+    """After a sim-to-real switch the task stream can still hold curriculum variants (no game file):
+    a real-env worker dead-letters them with their reason, never crashes an env on them, and plays the rest."""
+    client = connect(redis_url)
+    tasks = [Task(task_id="variant", instruction="climb", generated=True),
+             Task(task_id="real", instruction="climb", game_file="ladder.z8")]
+    await StreamProducer(client, tasks_stream(PREFIX)).add([encode(t) for t in tasks])
+    made = []
+
+    def env():
+        made.append(1)
+        return LadderEnv(2)
+
+    c = ActorsConfig(group_size=2, concurrent_episodes=2, max_steps=3, env_kind="real")
+    worker = RolloutWorker("w", client, PREFIX, ScriptedPolicy(version=1), env, c, reclaim_idle_ms=300)
+    run = asyncio.create_task(worker.run(max_groups=1))
+    await asyncio.wait_for(run, 30)
+    dead = await client.xrange(f"{tasks_stream(PREFIX)}:dead")
+    assert [decode_as(f[b"d"], Task).task_id for _, f in dead] == ["variant"]
+    assert dead[0][1][b"error"].decode().startswith("NoRealCounterpart: task variant")
+    assert {t.task_id for t in await read_trajs(client)} == {"real"} and worker.tasks_dead_lettered == 1
+    assert (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0
+    await client.aclose()
