@@ -73,12 +73,14 @@ def record(state: str, action: str, res: StepResult, choice: Any, default_source
     """The Step for one transition; a decision's prompt, label tokens and log-probs go with it."""
     info = res.info
     ids = list(getattr(choice, "action_token_ids", []))
+    lengths = list(getattr(choice, "choice_lengths", []))  # score mode: one log-prob and mask value per choice
     return Step(state=state, action=action, reward=float(res.reward), done=bool(res.done), next_state=res.state,
                 reasoning=str(info.get("reasoning") or info.get("rationale") or ""),
                 reasoning_source=str(info.get("reasoning_source") or default_source),
                 valid=bool(info.get("valid", True)), policy_prompt=str(getattr(choice, "prompt", "")),
                 action_token_ids=ids, logprobs=[float(x) for x in getattr(choice, "logprobs", [])],
-                loss_mask=[1] * len(ids), choice_token_ids=list(getattr(choice, "choice_token_ids", [])))
+                loss_mask=[1] * (1 if lengths and ids else len(ids)),
+                choice_token_ids=list(getattr(choice, "choice_token_ids", [])), choice_lengths=lengths)
 
 
 async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: int, *,

@@ -143,7 +143,8 @@ async def _engine_chooser(args: argparse.Namespace, cfg: Any):
     tokenizer = load_tokenizer(model)
     chooser = choice_policy_chooser(ChoicePolicy(client, tokenizer, temperature=args.temperature, seed=cfg.infra.seed,
                                                  multi_turn=cfg.actors.multi_turn,
-                                                 max_chat_chars=cfg.actors.chat_max_chars))
+                                                 max_chat_chars=cfg.actors.chat_max_chars,
+                                                 action_mode=cfg.actors.action_mode))
 
     async def cleanup() -> None:
         await client.close()

@@ -34,6 +34,18 @@ and the benchmarks build prompts with):
 
 What the behaviour log-prob conditions on is exactly the step's `policy_prompt`
 text in both modes; packing only changes how many forwards the learner runs.
+
+Action mode "score" (`actors.action_mode`; per-step prompts only): no letters. The
+prompt lists the possible actions and asks for the next one; the policy engine returns
+the log-likelihood of every candidate's text (plus the end-of-turn token) after the
+prompt (`EngineClient.score`, SGLang's prefill log-probs), and the policy is the
+softmax over candidates of their length-normalised log-likelihoods (`score_turn`,
+`ChoicePolicy`, the learner's `scored_logprobs`, all through
+infra/engine/scoring.py). Measured on 96 held-out TextWorld decisions: SmolLM2-135M
+picks the expert's action 26 % of the time with letters (chance) and 48 % by scoring,
+and 20 supervised steps on train-game decisions took scoring to 88 % while letters
+stayed at chance after 75. This is how small LMs act in text games in GLAM (Carta et
+al., 2023); the paper's 3-8B agents generate their action instead.
 """
 
 from __future__ import annotations
@@ -55,6 +67,9 @@ PROMPT_FORMAT = 1
 MAX_CHAT_CHARS = 12_000  # default for actors.chat_max_chars
 SYSTEM_PROMPT = ("You are an agent acting in a text environment. Read the goal and the current state, "
                  "then answer with the single letter of the best next action.")
+SCORE_SYSTEM_PROMPT = ("You are an agent acting in a text environment. Read the goal and the current state, "
+                       "then answer with the next action.")
+ACTION_MODES = ("label", "score")
 
 
 class PolicyError(RuntimeError):
@@ -73,6 +88,7 @@ class PolicyDecision:
     choice_token_ids: list[int]  # label ids, in candidate order
     weight_version: int
     probs: list[float] = field(default_factory=list)  # the renormalised distribution (diagnostics)
+    choice_lengths: list[int] = field(default_factory=list)  # score mode: candidate lengths in choice_token_ids
     messages: list[dict] = field(default_factory=list)  # multi-turn: the chat so far (the next turn extends it)
 
 
@@ -193,6 +209,49 @@ def build_choice_prompt(tokenizer: Any, task: Task | None, state: str, candidate
     return turn.prompt, turn.labels
 
 
+@dataclass
+class ScorePrompt:
+    """One step's prompt in score mode: the text, its token ids, and each candidate's continuation ids."""
+
+    prompt: str
+    prefix: list[int]
+    continuations: list[list[int]]
+
+
+def score_turn(tokenizer: Any, task: Task | None, state: str, candidates: Sequence[str],
+               history: Sequence[Any] = (), history_window: int = 3) -> ScorePrompt:
+    """The score-mode prompt: goal, state, previous actions, the possible actions, the question;
+    each candidate's continuation is its text followed by the end-of-turn token."""
+    if not candidates:
+        raise ValueError("no candidate actions to choose from")
+    lines = []
+    if task is not None and task.instruction:
+        lines.append(f"Goal: {task.instruction.strip()}")
+    desc, items = _state_view(state, task.instruction if task is not None else "")
+    if desc:
+        lines.append(f"State:\n{desc}")
+    recent = [h if isinstance(h, str) else str(getattr(h, "action", h)) for h in history]
+    recent = recent[-history_window:] if history_window > 0 else []
+    if recent:
+        lines.append("Previous actions: " + "; ".join(recent))
+    lines.append("Possible actions: " + "; ".join(_option_text(c, items) for c in candidates))
+    lines.append("What is the next action?")
+    msgs = [{"role": "system", "content": SCORE_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
+    prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    end = tokenizer.eos_token or ""
+    conts = [tokenizer(c + end, add_special_tokens=False)["input_ids"] for c in candidates]
+    return ScorePrompt(prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"], conts)
+
+
+def split_choices(choice_token_ids: Sequence[int], choice_lengths: Sequence[int]) -> list[list[int]]:
+    """Score mode: the flat candidate token ids of a Step back into one list per candidate."""
+    out, k = [], 0
+    for n in choice_lengths:
+        out.append([int(t) for t in choice_token_ids[k:k + n]])
+        k += n
+    return out
+
+
 def renormalise(label_logps: Sequence[float], temperature: float = 1.0) -> list[float]:
     """log-softmax over the label log-probs at `temperature` (0 = greedy, returned at temperature 1)."""
     t = temperature if temperature > 0 else 1.0
@@ -206,8 +265,14 @@ class ChoicePolicy:
     """Samples one labelled candidate per step from a policy engine (the choice-mode contract above)."""
 
     def __init__(self, client: Any, tokenizer: Any, temperature: float = 1.0, seed: int | None = None,
-                 history_window: int = 3, multi_turn: bool = False, max_chat_chars: int = MAX_CHAT_CHARS):
+                 history_window: int = 3, multi_turn: bool = False, max_chat_chars: int = MAX_CHAT_CHARS,
+                 action_mode: str = "label"):
+        if action_mode not in ACTION_MODES:
+            raise ValueError(f"action_mode must be one of {ACTION_MODES}, got {action_mode!r}")
+        if action_mode == "score" and multi_turn:
+            raise ValueError("action_mode 'score' uses per-step prompts (multi_turn false)")
         self.client, self.tokenizer = client, tokenizer
+        self.action_mode = action_mode
         self.temperature = temperature
         self.history_window = history_window
         self.multi_turn, self.max_chat_chars = multi_turn, max_chat_chars
@@ -216,6 +281,8 @@ class ChoicePolicy:
     async def act(self, task: Task | None, state: str, candidates: Sequence[str], history: Sequence[Any] = (),
                   affinity_key: str | None = None) -> PolicyDecision:
         candidates = list(candidates)[:MAX_CHOICES]
+        if self.action_mode == "score":
+            return await self._act_by_score(task, state, candidates, history, affinity_key)
         turn = choice_turn(self.tokenizer, task, state, candidates, history, self.history_window, self.multi_turn,
                            self.max_chat_chars)
         prompt, labels = turn.prompt, turn.labels
@@ -242,6 +309,27 @@ class ChoicePolicy:
                               action_token_ids=[labels[index]], logprobs=[logps[index]],
                               choice_token_ids=labels, weight_version=int(result.weight_version), probs=probs,
                               messages=turn.messages)
+
+    def _pick(self, raw: list[float]) -> tuple[int, list[float], list[float]]:
+        """(index, log-probs at temperature 1, probabilities sampled from) of raw candidate scores."""
+        if self.temperature > 0:  # the behaviour log-prob is the sampled distribution's, as in label mode
+            logps = renormalise(raw, self.temperature)
+            probs = [math.exp(v) for v in logps]
+            return self.rng.choices(range(len(raw)), weights=probs)[0], logps, probs
+        logps = renormalise(raw, 1.0)
+        probs = [math.exp(v) for v in logps]
+        return max(range(len(raw)), key=lambda i: logps[i]), logps, probs
+
+    async def _act_by_score(self, task: Task | None, state: str, candidates: list[str], history: Sequence[Any],
+                            affinity_key: str | None) -> PolicyDecision:
+        turn = score_turn(self.tokenizer, task, state, candidates, history, self.history_window)
+        rows, version = await self.client.score(turn.prefix, turn.continuations, affinity_key=affinity_key)
+        raw = [sum(r) / len(r) for r in rows]  # length-normalised log-likelihood per candidate
+        index, logps, probs = self._pick(raw)
+        return PolicyDecision(action=candidates[index], index=index, prompt=turn.prompt,
+                              action_token_ids=list(turn.continuations[index]), logprobs=[logps[index]],
+                              choice_token_ids=[t for c in turn.continuations for t in c], weight_version=int(version),
+                              probs=probs, choice_lengths=[len(c) for c in turn.continuations])
 
 
 def choice_forward(model: Any, tokenizer: Any, prompts: Sequence[str], want_hidden: bool = False):
@@ -282,6 +370,28 @@ def gather_choice_logprobs(logits: Any, choice_token_ids: Sequence[Sequence[int]
         row = torch.log_softmax(logits[i, labels].float(), dim=-1)
         rows.append(row[labels.index(int(chosen))])
     return torch.stack(rows)
+
+
+def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidates: Sequence[Sequence[Sequence[int]]],
+                    chosen: Sequence[int], want_hidden: bool = False):
+    """The learner-side twin of score mode: (log-prob of each chosen candidate [B], differentiable;
+    each prompt's last hidden state [B, H] or None). Identical prompts (a GRPO group's first step)
+    with the same candidates run once."""
+    import torch  # the learner's side only
+
+    from infra.engine.scoring import continuation_logprobs, mean_logprobs  # torch: the learner's side only
+
+    rows, hidden, memo = [], [], {}
+    for prompt, cands, k in zip(prompts, candidates, chosen):
+        key = (prompt, tuple(tuple(c) for c in cands))
+        if key not in memo:
+            prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            lps, h = continuation_logprobs(model, prefix, cands, want_hidden)
+            memo[key] = (torch.log_softmax(mean_logprobs(lps), dim=-1), h)
+        dist, h = memo[key]
+        rows.append(dist[int(k)])
+        hidden.append(h)
+    return torch.stack(rows), (torch.stack(hidden) if want_hidden else None)
 
 
 def choice_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],

@@ -219,6 +219,7 @@ class ActorsConfig:
     env_family: str = _f("textworld", "Real environment family: 'textworld', 'miniwob', 'alfworld' or 'browsergym'.", _one_of("textworld", "miniwob", "alfworld", "browsergym"))
     temperature: float = _f(1.0, "Policy sampling temperature.", NON_NEGATIVE)
     multi_turn: bool = _f(True, "Policy prompts: an episode is one multi-turn chat (each turn the new state and options, the chosen letter as the answer), so the engine's prefix cache serves the history and the learner runs ONE packed forward per trajectory; false = a fresh prompt per step with the last 3 actions (one learner row per step).")
+    action_mode: str = _f("label", "How the policy picks among the candidate actions: 'label' (they are listed under letters; one forward, the letter's log-prob) or 'score' (the log-likelihood of each candidate's text after the prompt, length-normalised, softmaxed over candidates; per-step prompts only, so multi_turn must be false). Score mode learns from far fewer examples (actors/policy.py).", _one_of("label", "score"))
     chat_max_chars: int = _f(12_000, "multi_turn: a chat longer than this many characters restarts as a fresh first turn (keeps prompts inside the model's context; the learner packs each part separately).", POSITIVE)
     max_steps: int = _f(8, "Most steps of a real episode.", POSITIVE)
     worker_resources: dict = _f({}, "Ray custom resources each rollout worker asks for, e.g. {rollout_cpu: 1}.", RESOURCES)
@@ -442,7 +443,10 @@ def from_dict(raw: dict | None) -> Config:
     for name in raw:
         if name not in SECTIONS:
             raise ConfigError(f"{name}: unknown section; expected one of {', '.join(SECTIONS)}")
-    return Config(**{name: _build(name, cls, raw.get(name) or {}) for name, cls in SECTIONS.items()})
+    cfg = Config(**{name: _build(name, cls, raw.get(name) or {}) for name, cls in SECTIONS.items()})
+    if cfg.actors.action_mode == "score" and cfg.actors.multi_turn:
+        raise ConfigError("actors.action_mode: 'score' uses per-step prompts; set actors.multi_turn=false with it")
+    return cfg
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

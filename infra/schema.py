@@ -17,6 +17,10 @@ behaviour log-probs, plus a loss mask (1 = trained). In DreamGym's default
 "choice" action mode the policy picks one labelled candidate with a single token
 and `choice_token_ids` lists the label tokens the distribution was renormalised
 over, so the learner recomputes exactly the same log-prob (see actors/policy.py).
+In the "score" action mode the policy scores every candidate's text by its
+log-likelihood: `choice_token_ids` holds the candidates' token ids end to end,
+`choice_lengths` their lengths, `action_token_ids` the chosen candidate's tokens, and
+`logprobs` and `loss_mask` one value each, for the choice as a whole.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ class Step:
     loss_mask: list = field(default_factory=list)  # 1 where the token is trained
     choice_token_ids: list = field(default_factory=list)  # label tokens renormalised over (choice mode)
     value: float = 0.0  # PPO value estimate at this state, if the worker computed one
+    choice_lengths: list = field(default_factory=list)  # score mode: token count of each candidate in choice_token_ids
 
 
 @dataclass
@@ -242,7 +247,11 @@ def _explain_step(d: dict) -> None:
     _flag("done", d["done"])
     _flag("valid", d["valid"])
     n = _ints("action_token_ids", d["action_token_ids"], 0, MAX_TOKEN_ID)
-    _ints("choice_token_ids", d["choice_token_ids"], 0, MAX_TOKEN_ID)
+    n_choices = _ints("choice_token_ids", d["choice_token_ids"], 0, MAX_TOKEN_ID)
+    if _ints("choice_lengths", d["choice_lengths"], 1, MAX_TOKENS) and sum(d["choice_lengths"]) != n_choices:
+        raise InvalidField(f"choice_lengths: they sum to {sum(d['choice_lengths'])}, choice_token_ids holds {n_choices}")
+    if d["choice_lengths"]:
+        n = 1  # score mode: one log-prob and one mask value for the whole choice
     # Empty per-token lists are allowed (real-environment and offline steps carry none);
     # present ones must cover every action token.
     n_lp = _numbers("logprobs", d["logprobs"], *LOGPROB_RANGE)
@@ -281,6 +290,9 @@ def _check_step(d: dict) -> None:
         d["state"], d["action"], d["next_state"], d["reasoning"], d["policy_prompt"], d["reasoning_source"])
     reward, value, ids, lps, mask, choices = (
         d["reward"], d["value"], d["action_token_ids"], d["logprobs"], d["loss_mask"], d["choice_token_ids"])
+    lens = d["choice_lengths"]
+    # score mode: one log-prob and one mask value for the choice; else one per action token
+    per = 1 if type(lens) is list and lens else (len(ids) if type(ids) is list else -1)
     if not (type(state) is str and type(action) is str and type(next_state) is str and type(reasoning) is str
             and type(prompt) is str and type(source) is str
             and len(state) <= MAX_TEXT_CHARS and len(action) <= MAX_TEXT_CHARS and len(next_state) <= MAX_TEXT_CHARS
@@ -290,7 +302,8 @@ def _check_step(d: dict) -> None:
             and type(d["done"]) is bool and type(d["valid"]) is bool
             and type(ids) is list and type(choices) is list and type(lps) is list and type(mask) is list
             and len(ids) <= MAX_TOKENS and len(choices) <= MAX_TOKENS
-            and (not lps or len(lps) == len(ids)) and (not mask or len(mask) == len(ids))
+            and type(lens) is list and (not lens or (_tokens_ok(lens) and min(lens) >= 1 and sum(lens) == len(choices)))
+            and (not lps or len(lps) == per) and (not mask or len(mask) == per)
             and _tokens_ok(ids + choices) and _MASK_VALUES.issuperset(mask) and (not lps or _logprobs_ok(lps))):
         _explain_step(d)
         raise AssertionError(f"_check_step and _explain_step disagree on {d!r}")  # unreachable if they agree

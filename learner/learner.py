@@ -61,7 +61,6 @@ from learner.batching import GroupBatcher
 from learner.guard import NonFiniteUpdate, WeightGuard
 from learner.inflight import STRIKES_TO_DEAD_LETTER, InflightLedger
 from learner.policy_model import PolicyModel
-from learner.policy_sft import expert_examples, train_on_examples
 from learner.precision import Precision
 from learner.staleness import StalenessFilter
 from learner.update import UpdateStats, apply_update
@@ -236,22 +235,6 @@ class Learner:
                 if inspect.isawaitable(r):
                     await r
         return out
-
-    async def warm_start(self, trajectories, on_step=None) -> list[float]:
-        """cfg.warm_start_steps of supervised choice training on expert trajectories, then
-        publish the result as the current version (workers start from it)."""
-        cfg = self.cfg
-        examples = expert_examples(trajectories, self.policy.tokenizer)
-        losses = await asyncio.get_running_loop().run_in_executor(
-            self._compute, train_on_examples, self.policy, examples, cfg.warm_start_steps, cfg.warm_start_lr,
-            cfg.warm_start_batch, 0, cfg.max_grad_norm, on_step)
-        log.info("warm start: %d steps on %d expert transitions, loss %s", len(losses), len(examples),
-                 f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "n/a")
-        if losses:
-            if cfg.kl_coef > 0 and self.policy.lora_rank == 0:
-                self.policy.snapshot_reference(force=True)  # the warm-started policy is the KL reference
-            await self.publish()
-        return losses
 
     async def publish(self) -> None:
         """Publish the current weights now (after a warm start or a resume)."""

@@ -29,11 +29,16 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
+from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward, scored_logprobs
 from infra.engine.models import load_model
 from learner.precision import Precision
 
 log = logging.getLogger(__name__)
+
+
+def is_scored(choice_token_ids: Sequence) -> bool:
+    """Whether a batch is in score mode (candidates as token lists) rather than label mode (label ids)."""
+    return bool(choice_token_ids) and bool(choice_token_ids[0]) and isinstance(choice_token_ids[0][0], (list, tuple))
 
 
 class PolicyModel(nn.Module):
@@ -79,7 +84,17 @@ class PolicyModel(nn.Module):
         Chained prompts (one multi-turn trajectory) run as one packed sequence. Identical
         lone prompts (a GRPO group's first step: same task, same initial state) go through
         the model once; indexing back keeps the gradient of every copy. `last_tokens` is
-        the number of tokens this call ran through the model."""
+        the number of tokens this call ran through the model.
+
+        Score mode (actors/policy.py): each `choice_token_ids` entry is the list of candidates'
+        token ids and each `chosen_ids` entry the chosen candidate's index."""
+        if is_scored(choice_token_ids):
+            with self.precision.autocast():
+                logp, hidden = scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids, chosen_ids,
+                                               want_hidden=self.value_head is not None)
+            self.last_tokens = sum(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in set(prompts))
+            values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
+            return logp, values
         logits, hidden, self.last_tokens = self._choice_logits(self.lm, prompts, chosen_ids,
                                                                self.value_head is not None)
         logp = gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
@@ -134,6 +149,13 @@ class PolicyModel(nn.Module):
     def reference_logprobs(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
                            chosen_ids: Sequence[int]) -> torch.Tensor:
         """Log-probs under the reference policy (the initial weights), packed like `forward_choice`."""
+        if is_scored(choice_token_ids):
+            if self.lora_rank > 0:
+                with self.lm.disable_adapter(), self.precision.autocast():
+                    return scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids, chosen_ids)[0]
+            self.snapshot_reference()
+            with self.precision.autocast():
+                return scored_logprobs(self._ref, self.tokenizer, prompts, choice_token_ids, chosen_ids)[0]
         if self.lora_rank > 0:
             with self.lm.disable_adapter():
                 logits, _, _ = self._choice_logits(self.lm, prompts, chosen_ids)

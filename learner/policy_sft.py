@@ -30,7 +30,7 @@ from rich.progress import Progress
 
 from actors.dataset import offline_settings, read_trajectories, trajectories_path
 from actors.envs.base import AbstractState, StateFormatError, candidate_actions
-from actors.policy import MAX_CHAT_CHARS, MAX_CHOICES, PROMPT_FORMAT, PolicyDecision, choice_turn
+from actors.policy import MAX_CHAT_CHARS, MAX_CHOICES, PROMPT_FORMAT, PolicyDecision, choice_turn, score_turn
 from infra.config import LearnerConfig, add_config_arguments, config_from_args, section_settings, settings_key
 from infra.engine.models import load_tokenizer
 from infra.schema import Task, Trajectory
@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class ChoiceExample:
     prompt: str
-    labels: list[int]
-    target: int  # the expert's label token id
+    labels: list  # label token ids; score mode: each candidate's token ids
+    target: int  # the expert's label token id; score mode: the expert candidate's index
 
 
 def is_expert(traj: Trajectory) -> bool:
@@ -61,12 +61,13 @@ def _task_of(traj: Trajectory, state: str) -> Task:
 
 def expert_examples(trajectories: Iterable[Trajectory], tokenizer, history_window: int = 3,
                     only_successful: bool = True, permutations: int = 1, seed: int = 0, multi_turn: bool = False,
-                    max_chat_chars: int = MAX_CHAT_CHARS) -> list[ChoiceExample]:
+                    max_chat_chars: int = MAX_CHAT_CHARS, action_mode: str = "label") -> list[ChoiceExample]:
     """One example per valid expert step whose action is among the state's candidates, prompted
     as the rollout prompts it (`multi_turn`: the expert's earlier choices are the chat's answers),
     and `permutations - 1` more with the candidate list shuffled (seeded): environments list their
     admissible actions in a fixed order, so without shuffles a small policy learns the expert's
-    usual letter rather than the action. The chat continues from the unshuffled turn."""
+    usual letter rather than the action. The chat continues from the unshuffled turn. Score mode
+    (`action_mode="score"`, per-step prompts): the shuffles reorder the listed possible actions."""
     out: list[ChoiceExample] = []
     skipped = 0
     rng = random.Random(seed)
@@ -82,6 +83,12 @@ def expert_examples(trajectories: Iterable[Trajectory], tokenizer, history_windo
             if step.valid and step.action in cands:
                 task = _task_of(traj, step.state)
                 orders = [cands] + [rng.sample(cands, len(cands)) for _ in range(permutations - 1)]
+                if action_mode == "score":
+                    for order in orders:
+                        turn = score_turn(tokenizer, task, step.state, order, history, history_window)
+                        out.append(ChoiceExample(turn.prompt, turn.continuations, order.index(step.action)))
+                    history.append(step.action)
+                    continue
                 turns = [choice_turn(tokenizer, task, step.state, order, history, history_window, multi_turn,
                                      max_chat_chars) for order in orders]
                 for order, turn in zip(orders, turns):
@@ -138,7 +145,7 @@ def warm_start(cfg: Any, offline: Iterable[Trajectory], out_dir: str | Path,
     precision = Precision.checked(lc.device, lc.dtype, "learner.device", "learner.dtype")  # before any loading
     examples = expert_examples(offline, load_tokenizer(cfg.engines.model), permutations=lc.warm_start_permutations,
                                seed=cfg.infra.seed, multi_turn=cfg.actors.multi_turn,
-                               max_chat_chars=cfg.actors.chat_max_chars)
+                               max_chat_chars=cfg.actors.chat_max_chars, action_mode=cfg.actors.action_mode)
     if not examples:
         raise ValueError("warm start: no expert transitions in the offline data (collect with policies: [expert, ...])")
     policy = PolicyModel(cfg.engines.model, lora_rank=lc.lora_rank, gradient_checkpointing=lc.gradient_checkpointing,
@@ -185,12 +192,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cache_settings(cfg: LearnerConfig, model: str, offline_key: str, seed: int, multi_turn: bool = False) -> dict:
+def cache_settings(cfg: LearnerConfig, model: str, offline_key: str, seed: int, multi_turn: bool = False,
+                   action_mode: str = "label") -> dict:
     """What a cached warm-started policy depends on; the driver keys its cache directory by it.
     The device does not shape the weights (beyond float rounding); bf16 compute does, and float32,
     the default, stays out of the key so the caches written before `learner.dtype` existed still count."""
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": PROMPT_FORMAT,
             **({"prompt_mode": "multi_turn"} if multi_turn else {}),
+            **({"action_mode": action_mode} if action_mode != "label" else {}),
             **({"dtype": cfg.dtype} if cfg.dtype != "float32" else {}),
             **section_settings(cfg, ("lora_rank",), prefixes=("warm_start_",))}
 
@@ -200,5 +209,6 @@ def cache_dir(cfg: Any) -> Path:
     whole config `cfg`: `<data_dir>/policy-warm/<family>-<key of cache_settings>`."""
     family = cfg.actors.env_family
     offline = settings_key(offline_settings(family, cfg.data, cfg.infra.seed))
-    key = settings_key(cache_settings(cfg.learner, cfg.engines.model, offline, cfg.infra.seed, cfg.actors.multi_turn))
+    key = settings_key(cache_settings(cfg.learner, cfg.engines.model, offline, cfg.infra.seed, cfg.actors.multi_turn,
+                                      cfg.actors.action_mode))
     return Path(cfg.infra.data_dir) / "policy-warm" / f"{family}-{key}"

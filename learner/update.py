@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
+from actors.policy import split_choices
 from infra import metrics
 from infra.config import LearnerConfig
 from infra.schema import Step, Trajectory
@@ -112,10 +113,28 @@ def chunks_of(rows: Sequence[Row], micro_batch: int) -> list[list[int]]:
     return chunks
 
 
+def choice_args(steps: Sequence[Step]) -> tuple[list[str], list, list]:
+    """(prompts, choices, chosen) for `forward_choice`: label ids and the chosen label, or, in score
+    mode (`choice_lengths`), the candidates' token lists and the chosen candidate's index."""
+    prompts, choices, chosen = [], [], []
+    for s in steps:
+        prompts.append(s.policy_prompt)
+        if s.choice_lengths:
+            cands = split_choices(s.choice_token_ids, s.choice_lengths)
+            if list(s.action_token_ids) not in cands:
+                raise ValueError("score-mode step: its action tokens are not one of its candidates")
+            choices.append(cands)
+            chosen.append(cands.index(list(s.action_token_ids)))
+        else:
+            choices.append(s.choice_token_ids)
+            chosen.append(s.action_token_ids[0])
+    if len({bool(s.choice_lengths) for s in steps}) > 1:
+        raise ValueError("a batch mixes label-mode and score-mode steps")
+    return prompts, choices, chosen
+
+
 def _forward(policy: Any, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    steps = [s for r in rows for s in r.steps]
-    return policy.forward_choice([s.policy_prompt for s in steps], [s.choice_token_ids for s in steps],
-                                 [s.action_token_ids[0] for s in steps])
+    return policy.forward_choice(*choice_args([s for r in rows for s in r.steps]))
 
 
 def _pad(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
@@ -180,9 +199,7 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
         ref = None
         if cfg.kl_coef > 0:
             steps = [s for r in part for s in r.steps]
-            ref = _pad(part, policy.reference_logprobs([s.policy_prompt for s in steps],
-                                                       [s.choice_token_ids for s in steps],
-                                                       [s.action_token_ids[0] for s in steps]))
+            ref = _pad(part, policy.reference_logprobs(*choice_args(steps)))
         out = policy_loss(logp, table(fixed.old), table(fixed.adv, 0), mask, cfg.clip_eps, ref, cfg.kl_coef,
                           table(fixed.isw), cfg.aggregate)
         w = len(logp_flat) / total_tokens

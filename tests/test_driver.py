@@ -85,3 +85,21 @@ async def test_a_resumed_run_reopens_its_replay_buffer_instead_of_seeding_it_twi
         async with Services(cfg, "buffered") as svc:
             sizes.append(len(svc.open_buffer(offline)))
     assert sizes[0] == sizes[1] == sum(len(t.steps) for t in offline) > 0
+
+
+async def test_train_in_score_mode_warm_starts_trains_and_evaluates(tiny_run, tmp_path):
+    """`actors.action_mode=score` through `dreamgym train`: the warm start trains on scored
+    candidates, workers score through the engine's prefill log-probs, the learner updates on
+    score-mode steps (one log-prob per choice), and the held-out evaluation plays in score mode."""
+    from infra.run.driver import train
+    from learner import policy_sft
+
+    cfg = load_config(None, [*tiny_run, "actors.action_mode=score", "actors.multi_turn=false",
+                             "learner.warm_start_steps=2", "learner.warm_start_batch=2", "learner.total_updates=1",
+                             "learner.checkpoint_every=1", "evaluation.max_steps=2"])
+    summary = await train(cfg, "scored")
+    assert summary["updates"] == 1 and summary["trajectories_trained"] >= 2
+    assert summary["heldout_after"]["episodes"] == 1
+    assert summary["history"][0]["version"] == 1 and summary["history"][0]["loss"] == summary["history"][0]["loss"]
+    warm = json.loads((policy_sft.cache_dir(cfg) / "warm_start.json").read_text())
+    assert warm["steps"] == 2 and warm["first_loss"] > 0

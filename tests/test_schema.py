@@ -211,7 +211,14 @@ def _reference_step_ok(d: dict) -> bool:
     for m in mask:
         if not (isinstance(m, (int, float)) and m in (0, 1)):
             return False
-    return (not lps or len(lps) == len(ids)) and (not mask or len(mask) == len(ids))
+    lens = d["choice_lengths"]
+    if not isinstance(lens, list) or len(lens) > schema.MAX_TOKENS:
+        return False
+    if lens and not (all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= schema.MAX_TOKENS for n in lens)
+                     and sum(lens) == len(choices)):
+        return False
+    per = 1 if lens else len(ids)  # score mode: one value for the whole choice
+    return (not lps or len(lps) == per) and (not mask or len(mask) == per)
 
 
 _ELEMENT = st.one_of(st.integers(-3, 2 ** 33), st.floats(allow_nan=True), st.booleans(), st.none(), st.text(max_size=2))
@@ -222,6 +229,7 @@ _STEP_VALUES = {
     "choice_token_ids": st.one_of(st.lists(st.integers(0, 100), max_size=3), st.lists(_ELEMENT, max_size=3)),
     "logprobs": st.one_of(st.lists(st.floats(-20, 0), max_size=3), st.lists(_ELEMENT, max_size=3), _ANY),
     "loss_mask": st.one_of(st.lists(st.sampled_from([0, 1]), max_size=3), st.lists(_ELEMENT, max_size=3), _ANY),
+    "choice_lengths": st.one_of(st.lists(st.integers(0, 3), max_size=3), st.lists(_ELEMENT, max_size=2), _ANY),
 }
 
 

@@ -55,6 +55,7 @@ from infra.engine.prefix_cache import PrefixCache, common_prefix_length
 from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFull, RequestError, RequestFailed,
                                   SamplingParams)
 from infra.engine.sampling import sample_tokens
+from infra.engine.scoring import continuation_logprobs
 from infra.metrics import EngineServerMetrics
 
 __all__ = ["Batcher", "EngineStopped", "GenOutput", "GenRequest", "QueueFull", "RequestError", "RequestFailed",
@@ -166,6 +167,33 @@ class Batcher:
             self._swap = (model, version, fut)
             self._cv.notify_all()
         return fut
+
+    def score(self, prompts: list[list[int]], start: int) -> tuple[list[list[float]], int]:
+        """Prefill log-probs (SGLang's `logprob_start_len`): for each prompt, log p(token) at positions
+        `start`.. given everything before it; (per prompt, the weight version they came from). Prompts
+        that share their first `start` tokens run that prefix once (infra/engine/scoring.py). Runs on
+        the caller's thread, beside the decode loop, on the model being served when it starts."""
+        if start < 1:
+            raise RequestError("logprob_start_len must be at least 1 for prefill log-probs")
+        for p in prompts:
+            if len(p) <= start:
+                raise RequestError(f"a prompt of {len(p)} tokens has nothing at or after logprob_start_len={start}")
+            if len(p) > self.max_positions:
+                raise RequestError(f"prompt of {len(p)} tokens exceeds the model's {self.max_positions} positions")
+        with self._cv:
+            model, version = self.model, self.weight_version
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(prompts):
+            groups.setdefault(tuple(p[:start]), []).append(i)
+        out: list[list[float]] = [[] for _ in prompts]
+        with torch.no_grad():
+            for prefix, members in groups.items():
+                lps, _ = continuation_logprobs(model, list(prefix), [prompts[i][start:] for i in members])
+                for i, lp in zip(members, lps):
+                    out[i] = lp.tolist()
+        self.requests_total += len(prompts)
+        self.prompt_tokens_total += sum(len(p) for p in prompts)
+        return out, version
 
     @property
     def load(self) -> int:

@@ -272,6 +272,38 @@ class EngineClient:
         ENGINE_GENERATED_TOKENS.labels(role=self.role).inc(len(result.output_ids))
         return result
 
+    async def score(self, prefix: list[int], continuations: list[list[int]], *,
+                    affinity_key: str | None = None) -> tuple[list[list[float]], int]:
+        """Log-probs of each continuation's tokens after `prefix`: (per continuation, weight version).
+
+        One SGLang request: `input_ids` = prefix + continuation for each, `max_new_tokens` 0,
+        `return_logprob` with `logprob_start_len` = len(prefix); the answer's
+        `meta_info.input_token_logprobs` are [log-prob, token id, text] from that position on."""
+        if not prefix or not continuations or any(not c for c in continuations):
+            raise ValueError("score needs a non-empty prefix and non-empty continuations")
+        payload = {"input_ids": [list(prefix) + list(c) for c in continuations],
+                   "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+                   "return_logprob": True, "logprob_start_len": len(prefix)}
+        t0 = time.monotonic()
+        try:
+            body = await self._post("/generate", payload, affinity_key)
+            if not isinstance(body, list) or len(body) != len(continuations):
+                raise EngineError(f"scoring answer: expected {len(continuations)} results, got {type(body).__name__}")
+            rows, version = [], 0
+            for c, item in zip(continuations, body):
+                meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
+                lps = [e[0] for e in meta.get("input_token_logprobs") or []]
+                if len(lps) != len(c) or any(not isinstance(v, (int, float)) for v in lps):
+                    raise EngineError(f"scoring answer: {len(lps)} input log-probs for a {len(c)}-token continuation")
+                rows.append([float(v) for v in lps])
+                version = int(meta.get("weight_version", version) or 0)
+        except Exception:
+            ENGINE_REQUESTS.labels(role=self.role, outcome="error").inc()
+            raise
+        ENGINE_REQUESTS.labels(role=self.role, outcome="ok").inc()
+        ENGINE_REQUEST_SECONDS.labels(role=self.role).observe(time.monotonic() - t0)
+        return rows, version
+
     async def health(self) -> dict[str, bool]:
         """Probe every server now; updates which ones are used."""
         results = await asyncio.gather(*(self._health_one(s) for s in self.servers))

@@ -191,11 +191,30 @@ class EngineApp:
                 tids = tids[0]  # per-prompt lists: the embedded engine takes one shared list
             if not isinstance(tids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tids):
                 raise RequestError("'token_ids_logprob' must be a list of token ids")
+        start = body.get("logprob_start_len", -1)
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise RequestError("'logprob_start_len' must be an integer")
         t0 = time.monotonic()
+        if return_logprob and start >= 0 and all(p.max_new_tokens == 0 for p in params):
+            return web.json_response(await self._score(prompts, start, batched, t0))
         outs = await self._run_many([GenRequest(list(p), s, token_ids_logprob=tids or None)
                                      for p, s in zip(prompts, params)])
         results = [self._sglang_json(o, return_logprob, tids, time.monotonic() - t0) for o in outs]
         return web.json_response(results if batched else results[0])
+
+    async def _score(self, prompts: list[list[int]], start: int, batched: bool, t0: float) -> Any:
+        """Prefill log-probs only (max_new_tokens 0, return_logprob, logprob_start_len), as SGLang
+        answers them: `input_token_logprobs` from `start` on, no output tokens. Off the event loop."""
+        lps, version = await asyncio.to_thread(self.batcher.score, prompts, start)
+        latency = time.monotonic() - t0
+        results = [{"text": "", "output_ids": [],
+                    "meta_info": {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0},
+                                  "prompt_tokens": len(p), "completion_tokens": 0, "cached_tokens": 0,
+                                  "weight_version": version, "e2e_latency": latency,
+                                  "input_token_logprobs": [[lp, tok, None] for lp, tok in zip(lp_row, p[start:])],
+                                  "output_token_logprobs": []}}
+                   for p, lp_row in zip(prompts, lps)]
+        return results if batched else results[0]
 
     async def _run(self, input_ids: list[int], params: SamplingParams, tids: list[int] | None) -> GenOutput:
         return (await self._run_many([GenRequest(list(input_ids), params, token_ids_logprob=tids or None)]))[0]

@@ -246,7 +246,8 @@ async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, cons
     ev = cfg.evaluation
     chooser = choice_policy_chooser(ChoicePolicy(svc.policy, svc.tokenizer, temperature=ev.temperature,
                                                  seed=cfg.infra.seed, multi_turn=cfg.actors.multi_turn,
-                                                 max_chat_chars=cfg.actors.chat_max_chars))
+                                                 max_chat_chars=cfg.actors.chat_max_chars,
+                                                 action_mode=cfg.actors.action_mode))
     t0 = time.perf_counter()
     result = await evaluate(chooser, tasks, cfg.actors.env_family, max_steps=ev.max_steps or cfg.data.max_steps,
                             episodes_per_task=ev.episodes, concurrency=min(ev.concurrency, max(1, len(tasks))),

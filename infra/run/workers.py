@@ -59,7 +59,8 @@ def worker_seed(seed: int, worker_id: str) -> int:
 def make_policy(cfg: Config, policy_client: Any, tokenizer: Any, worker_id: str) -> ChoicePolicy:
     """One worker's policy: labelled choices sampled through the policy engines."""
     return ChoicePolicy(policy_client, tokenizer, cfg.actors.temperature, seed=worker_seed(cfg.infra.seed, worker_id),
-                        multi_turn=cfg.actors.multi_turn, max_chat_chars=cfg.actors.chat_max_chars)
+                        multi_turn=cfg.actors.multi_turn, max_chat_chars=cfg.actors.chat_max_chars,
+                        action_mode=cfg.actors.action_mode)
 
 
 def make_env_factory(cfg: Config, experience_model: Callable[[], Any]) -> EnvFactory:
