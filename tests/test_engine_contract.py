@@ -13,6 +13,10 @@ Shapes pinned from SGLang's own source and docs (sgl-project/sglang):
   "prompt_tokens", "completion_tokens", "cached_tokens", "output_token_logprobs":
   [[logprob, token_id, text|None], ...], "output_token_ids_logprobs": [[[logprob, token_id,
   text|None], ...] per position], "weight_version": str}}`; a list of prompts gets a list.
+  With `return_logprob` and `logprob_start_len` = k, `meta_info.input_token_logprobs` holds
+  [logprob, token_id, text|None] for the input tokens at positions k.. (SGLang's
+  `TokenizerManager.convert_logprob_style`; position 0 has no log-prob, so k >= 1 gives
+  numbers only); with max_new_tokens 0 nothing is generated (prefill only: scoring).
 - `docs/basic_usage/native_api.md`: `/health` (200, empty), `/get_model_info`
   (`model_path`, `tokenizer_path`, `is_generation`, ...).
 - `python/sglang/srt/utils.py` `add_api_key_middleware` (`--api-key`): every path but
@@ -128,6 +132,15 @@ def fake_sglang(api_key: str = "", busy: list[tuple[int, str | None]] | None = N
             return web.json_response({"error": {"message": str(exc)}}, status=400)
         seen.append(("generate", body))
         n = body.get("sampling_params", {}).get("max_new_tokens", 2)
+        start = body.get("logprob_start_len", -1)
+        if body.get("return_logprob") and start >= 1 and n == 0 and isinstance(body.get("input_ids", [None])[0], list):
+            return web.json_response([
+                {"text": "", "output_ids": [], "meta_info": {
+                    "id": f"s{i}", "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+                    "completion_tokens": 0, "cached_tokens": 0, "weight_version": "default",
+                    "input_token_logprobs": [[-0.25 * (j + 1), t, None] for j, t in enumerate(ids[start:])],
+                    "output_token_logprobs": []}}
+                for i, ids in enumerate(body["input_ids"])])
         meta = {"id": "abc", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": 4,
                 "completion_tokens": n, "cached_tokens": 0, "weight_version": "default", "e2e_latency": 0.01}
         if body.get("return_logprob"):
@@ -236,6 +249,16 @@ async def test_client_requests_conform_to_sglang(fake_url):
     assert seen[2][1]["weight_version"] == "7" and seen[2][1]["model_path"] == "/ckpt/step-7"
 
 
+async def test_client_scores_continuations_as_sglang_prefill_logprobs(fake_url):
+    url, seen = fake_url
+    async with EngineClient([url], role="test", max_retries=0) as client:
+        rows, version = await client.score([1, 2, 3], [[7], [8, 9]])
+    assert rows == [[-0.25], [-0.25, -0.5]] and version == 0
+    body = seen[0][1]
+    assert body["input_ids"] == [[1, 2, 3, 7], [1, 2, 3, 8, 9]] and body["logprob_start_len"] == 3
+    assert body["return_logprob"] is True and body["sampling_params"]["max_new_tokens"] == 0
+
+
 def test_parse_accepts_sglang_variants():
     body = {"text": "hi", "output_ids": [5], "meta_info": {
         "id": "1", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 1,
@@ -267,6 +290,16 @@ async def test_embedded_server_answers_in_sglang_shape(smollm2):
             assert len(bodies) == 2
             for b in bodies:
                 check_generate_response(b, False, None)
+            score = {"input_ids": [[1, 2, 3, 4], [1, 2, 3, 5, 6]], "sampling_params": {"max_new_tokens": 0},
+                     "return_logprob": True, "logprob_start_len": 3}
+            check_generate_request(score)
+            async with s.post(handle.url + "/generate", json=score) as r:
+                bodies = await r.json()
+            for b, tail in zip(bodies, ([4], [5, 6])):
+                check_generate_response(b, True, None)
+                assert b["output_ids"] == [] and [e[1] for e in b["meta_info"]["input_token_logprobs"]] == tail
+                for e in b["meta_info"]["input_token_logprobs"]:
+                    _triple(e)
             async with s.get(handle.url + "/get_model_info") as r:
                 info = await r.json()
             assert isinstance(info["model_path"], str) and info["is_generation"] is True

@@ -296,7 +296,7 @@ class EngineClient:
                 if len(lps) != len(c) or any(not isinstance(v, (int, float)) for v in lps):
                     raise EngineError(f"scoring answer: {len(lps)} input log-probs for a {len(c)}-token continuation")
                 rows.append([float(v) for v in lps])
-                version = int(meta.get("weight_version", version) or 0)
+                version = _version(meta.get("weight_version"))
         except Exception:
             ENGINE_REQUESTS.labels(role=self.role, outcome="error").inc()
             raise
