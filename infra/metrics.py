@@ -32,6 +32,7 @@ STREAM_MESSAGES_NACKED = Counter("stream_messages_nacked_total", "Deliveries who
 STREAM_DEAD_LETTERS = Counter("stream_dead_letters_total", "Messages moved to the dead-letter stream.", ["stream", "reason"])
 STREAM_RECONNECTS = Counter("stream_reconnects_total", "Redis operations retried after a connection error.")
 STREAM_BYTES_ADDED = Counter("stream_bytes_added_total", "Payload bytes appended.", ["stream"])
+STREAM_MESSAGES_TRIMMED = Counter("stream_messages_trimmed_total", "Entries every consumer group had acked, removed with XTRIM MINID (infra.streams.trim_acked).", ["stream"])
 STREAM_BACKLOG = Gauge("stream_backlog", "Entries a stream's consumer group has not read yet (sampled by the driver).", ["stream"])
 STREAM_PENDING = Gauge("stream_pending", "Entries delivered to a consumer but not acknowledged (sampled by the driver).", ["stream"])
 

@@ -22,7 +22,16 @@ Owns the delivery guarantees, nothing about what the messages mean:
   still holds are not counted again: before each reclaim their idle time is renewed
   (XCLAIM JUSTID, which leaves the counter alone), so XAUTOCLAIM does not take them;
 - every call retries connection errors with capped exponential backoff, and a
-  group lost with a non-persistent Redis is recreated.
+  group lost with a non-persistent Redis is recreated;
+- acked entries are trimmed (`trim_acked`): `XTRIM MINID ~ floor`, where floor is the
+  smallest, over every group of the stream, of its oldest pending id and its
+  last-delivered id, computed and applied in one Lua script so no group appears or
+  moves in between. An entry still pending in some group, or not yet delivered to
+  some group, is never trimmed; a stream with no group is never trimmed (MAXLEN still
+  bounds it). Each consumer trims from its ack path, at most once per `trim_every_s`:
+  that is where entries become acked, it runs in every process that acks (learner,
+  local and Ray workers) with no extra task to start or stop, and the floor covers
+  every group, so whichever group acks last lets the stream shrink.
 
 Delivery is at-least-once: a batch retried after a connection drop may be added
 twice, and a reclaimed entry may have been half-used. Consumers that care dedupe
@@ -126,6 +135,50 @@ async def with_retry(op: Callable[[], Awaitable[T]], what: str, deadline_s: floa
             await asyncio.sleep(delay)
 
 
+# The trim floor and the XTRIM in one atomic step. Ids compare as (ms, seq) decimal strings by
+# length then text, exact for any 64-bit part (Lua numbers are doubles).
+TRIM_ACKED_SCRIPT = """
+local function less(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if am ~= bm then
+    if #am ~= #bm then return #am < #bm end
+    return am < bm
+  end
+  if #as ~= #bs then return #as < #bs end
+  return as < bs
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'', 0} end
+local floor = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local f = {}
+  for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+  local bound = f['last-delivered-id']
+  if f['pending'] > 0 then
+    local oldest = redis.call('XPENDING', KEYS[1], f['name'])[2]
+    if less(oldest, bound) then bound = oldest end
+  end
+  if floor == nil or less(bound, floor) then floor = bound end
+end
+if floor == nil or floor == '0-0' then return {floor or '', 0} end
+return {floor, redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1], floor)}
+"""
+
+
+async def trim_acked(client: aioredis.Redis, stream: str, approximate: bool = True) -> int:
+    """Remove the entries of `stream` that every consumer group has acked; returns how many went.
+
+    Only entries below the floor (see the module docstring) go: none pending anywhere, none
+    undelivered to any group. `approximate` (MINID ~) lets Redis drop whole radix-tree nodes
+    only, so a few acked entries may stay until the next call; exact trimming costs more."""
+    async def op() -> Any:
+        return await client.eval(TRIM_ACKED_SCRIPT, 1, stream, "~" if approximate else "=")
+    _floor, n = await with_retry(op, f"XTRIM {stream}", deadline_s=10)
+    if n:
+        metrics.STREAM_MESSAGES_TRIMMED.labels(stream).inc(int(n))
+    return int(n)
+
+
 class StreamProducer:
     """Appends encoded messages to one stream."""
 
@@ -175,9 +228,13 @@ class StreamConsumer(Generic[T]):
 
     def __init__(self, client: aioredis.Redis, stream: str, group: str, consumer: str,
                  decode: Callable[[bytes], T], reclaim_idle_ms: int = 30_000, reclaim_every: int = 10,
-                 max_deliveries: int = DEFAULT_MAX_DELIVERIES):
+                 max_deliveries: int = DEFAULT_MAX_DELIVERIES, trim_every_s: float | None = 1.0):
+        """`trim_every_s`: least seconds between two `trim_acked` calls from `ack` (0: after every
+        ack; None: never, the stream keeps acked entries until MAXLEN)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        self.trim_every_s = trim_every_s
+        self._trimmed_at: float | None = None
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
         self.decode = decode
         self.reclaim_idle_ms = reclaim_idle_ms
@@ -191,7 +248,8 @@ class StreamConsumer(Generic[T]):
         self._held: set[bytes] = set()  # delivered to the caller, not yet acked, nacked or dead-lettered
         self._errors: "OrderedDict[bytes, str]" = OrderedDict()  # last nack error per entry
         for counter in (metrics.STREAM_MESSAGES_READ, metrics.STREAM_MESSAGES_ACKED, metrics.STREAM_MESSAGES_RECLAIMED,
-                        metrics.STREAM_MESSAGES_REDELIVERED, metrics.STREAM_MESSAGES_NACKED):
+                        metrics.STREAM_MESSAGES_REDELIVERED, metrics.STREAM_MESSAGES_NACKED,
+                        metrics.STREAM_MESSAGES_TRIMMED):
             counter.labels(stream)  # a series at 0 from the start: rate() and increase() see the first event
 
     async def ensure_group(self) -> None:
@@ -402,7 +460,20 @@ class StreamConsumer(Generic[T]):
             for i in ids:
                 self._errors.pop(i, None)
         metrics.STREAM_MESSAGES_ACKED.labels(self.stream).inc(len(ids))
+        await self._maybe_trim()
         return int(n)
+
+    async def _maybe_trim(self) -> None:
+        if self.trim_every_s is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if self._trimmed_at is not None and now - self._trimmed_at < self.trim_every_s:
+            return
+        self._trimmed_at = now
+        try:
+            await trim_acked(self.client, self.stream)
+        except Exception as exc:  # housekeeping: the ack stands, the next one trims
+            log.warning("trimming acked entries of %s failed: %s", self.stream, exc)
 
 
 async def stream_status(client: aioredis.Redis, stream: str) -> dict:
@@ -421,7 +492,10 @@ async def stream_status(client: aioredis.Redis, stream: str) -> dict:
 
 
 async def stream_backlog(client: aioredis.Redis, stream: str, group: str = WORKERS_GROUP) -> int:
-    """Entries in `stream` not yet delivered to `group` (all entries when the group does not exist yet)."""
+    """Entries in `stream` not yet delivered to `group` (all entries when the group does not exist yet).
+
+    Read from the group's `lag` (Redis >= 7.0; trimming keeps it exact). A server without it
+    reports no lag, read here as 0: no backlog, so nothing waits on it."""
     async def op() -> int:
         if not await client.exists(stream):
             return 0

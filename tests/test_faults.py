@@ -265,37 +265,57 @@ def finish(proc: subprocess.Popen, log: Path, timeout_s: float = 900) -> None:
 
 
 def account(url: str, prefix: str, run_dir: Path) -> dict:
-    """pushed / acked / pending / trained / dead / lost over the run's trajectory stream and final checkpoint."""
+    """pushed / acked / pending / trained / dead / lost over the run's trajectory stream and final checkpoint.
+
+    The learner's acks trim the stream (infra.streams.trim_acked), so the entries it acked early
+    are gone by now. Redis still counts them: XINFO STREAM's entries-added (every entry ever added,
+    which trimming leaves alone) minus the stream's length is how many were trimmed. Every trimmed
+    entry was acked by the learner group (trim_acked takes nothing pending or undelivered), so each
+    must be accounted for, as by the rule above, by the dead-letter stream (its source id, whose copy
+    there also tells a poison message) or by a trajectory id in the checkpoint's dedupe memory that
+    no entry still in the stream or in the dead-letter stream carries. Those ids can only have come
+    from trimmed entries, so `trimmed - dead - ids` is at least the number of trimmed entries lost
+    (a duplicate add whose copy was trimmed also counts: the count errs toward failing)."""
     import redis as sync_redis
 
     from learner.batching import entry_key
 
+    def tid_of(raw: bytes | None) -> str | None:
+        try:
+            return decode_as(raw, Trajectory).trajectory_id
+        except Exception:  # a poison message: its fate is the dead-letter stream
+            return None
+
     r = sync_redis.Redis.from_url(url)
     stream = trajectories_stream(prefix)
-    tid: dict[str, str | None] = {}
-    for eid, fields in r.xrange(stream):
-        try:
-            tid[eid.decode()] = decode_as(fields[b"d"], Trajectory).trajectory_id
-        except Exception:  # a poison message: its fate is the dead-letter stream
-            tid[eid.decode()] = None
+    tid = {eid.decode(): tid_of(fields.get(b"d")) for eid, fields in r.xrange(stream)}
+    added = int(r.xinfo_stream(stream)["entries-added"])
     group = next(g for g in r.xinfo_groups(stream) if g["name"] == LEARNER_GROUP.encode())
     last = group["last-delivered-id"].decode()
     pend = {p["message_id"].decode() for p in r.xpending_range(stream, LEARNER_GROUP, "-", "+", 100_000)}
-    dead = {f[b"source_id"].decode(): f[b"error"].decode().split(":")[0]
-            for _, f in r.xrange(dead_letter_stream(stream))}
+    dead, dead_tid = {}, {}
+    for _, f in r.xrange(dead_letter_stream(stream)):
+        source = f[b"source_id"].decode()
+        dead[source], dead_tid[source] = f[b"error"].decode().split(":")[0], tid_of(f.get(b"d"))
     state = torch.load(ckpt.latest(run_dir) / ckpt.STATE_FILE, map_location="cpu", weights_only=False)["train_state"]
     seen, lineage = set(state["consumed_ids"]), state["lineage"]
     delivered = [e for e in tid if entry_key(e) <= entry_key(last)]
     acked = [e for e in delivered if e not in pend]
     lost = [e for e in acked if e not in dead and tid[e] not in seen]
+    trimmed = added - len(tid)
+    trimmed_dead = [e for e in dead if e not in tid]
+    trimmed_ids = seen - set(tid.values()) - set(dead_tid.values())
+    trimmed_unaccounted = trimmed - len(trimmed_dead) - len(trimmed_ids)
+    poison = sum(t is None for t in tid.values()) + sum(dead_tid[e] is None for e in trimmed_dead)
     by_reason: dict[str, int] = {}
     for reason in dead.values():
         by_reason[reason] = by_reason.get(reason, 0) + 1
     r.close()
-    return {"pushed": sum(t is not None for t in tid.values()), "poison": sum(t is None for t in tid.values()),
-            "acked": len(acked), "pending": len(pend), "undelivered": len(tid) - len(delivered),
+    return {"pushed": added - poison, "poison": poison, "acked": len(acked) + trimmed, "trimmed": trimmed,
+            "pending": len(pend), "undelivered": len(tid) - len(delivered),
             "trained": len(lineage), "set_aside": len(seen) - len(set(lineage)), "dead_letters": by_reason,
-            "lost": len(lost), "updates": state["updates"]}
+            "lost": len(lost) + max(0, trimmed_unaccounted), "trimmed_unaccounted": trimmed_unaccounted,
+            "updates": state["updates"]}
 
 
 def report(name: str, figures: dict) -> None:

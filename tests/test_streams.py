@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from infra import metrics, schema
 from infra.redis_server import EmbeddedRedis
 from infra.schema import Step, Trajectory
-from infra.streams import (StreamConsumer, StreamProducer, connect, dead_letter_stream, stream_status,
-                           trajectories_stream)
+from infra.streams import (StreamConsumer, StreamProducer, connect, dead_letter_stream, stream_backlog,
+                           stream_status, trajectories_stream, trim_acked)
 from infra.task_stats import TaskStatsStore, group_variance
 from tests.test_schema import POISON, _poisoned
 
@@ -376,6 +376,123 @@ def test_poison_through_a_real_consumer_lands_in_the_dead_letter_stream(redis_se
         await consumer.ack([d.entry_id for d in got])
         assert (await stream_status(client, stream))["groups"][0]["pending"] == 0
         await client.delete(stream, dead_letter_stream(stream))
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+# ---- trimming acked entries (issue 12) -------------------------------------------------------
+
+def _key(entry_id: bytes) -> tuple[int, int]:
+    ms, seq = entry_id.split(b"-")
+    return int(ms), int(seq)
+
+
+async def _ids(client, stream) -> list[bytes]:
+    return [i for i, _ in await client.xrange(stream)]
+
+
+async def test_trim_removes_only_what_every_group_acked(redis_url):
+    """Exact trimming: entries below the oldest pending one go; the pending one, acked ones above it
+    and undelivered ones stay; once all delivered ones are acked the floor is the last delivered id."""
+    client = connect(redis_url)
+    stream = trajectories_stream("trim1")
+    consumer = await _consumer(client, "c0", stream)
+    consumer.trim_every_s = None  # trimmed by hand below, exactly
+    ids = await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(10)])
+    got = await consumer.read(count=8, block_ms=50)  # 8 delivered, 2 undelivered
+    await consumer.ack([got[i].entry_id for i in (0, 1, 2, 3, 5)])  # 4, 6 and 7 stay pending
+    assert await trim_acked(client, stream, approximate=False) == 4
+    assert await _ids(client, stream) == ids[4:]
+    await consumer.ack([got[i].entry_id for i in (4, 6, 7)])
+    assert await trim_acked(client, stream, approximate=False) == 3
+    assert await _ids(client, stream) == ids[7:]  # the last delivered entry marks the floor, so it stays
+    assert await stream_backlog(client, stream, "learner") == 2  # the group's lag survives trimming
+    rest = await consumer.read(count=10, block_ms=50)
+    assert [d.message.trajectory_id for d in rest] == ["tr8", "tr9"]
+    await client.aclose()
+
+
+async def test_a_group_that_has_not_read_keeps_everything(redis_url):
+    client = connect(redis_url)
+    stream = trajectories_stream("trim2")
+    audit = await _consumer(client, "a0", stream)
+    audit.group = "audit"
+    await audit.ensure_group()  # a second group, created before the entries, that never reads
+    consumer = await _consumer(client, "c0", stream)
+    consumer.trim_every_s = 0
+    ids = await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(250)])
+    got = await consumer.read(count=300, block_ms=50)
+    await consumer.ack([d.entry_id for d in got])
+    assert await trim_acked(client, stream, approximate=False) == 0
+    assert await _ids(client, stream) == ids
+    # once the audit group has read and acked half, trimming follows the slower group
+    seen = await audit.read(count=125, block_ms=50)
+    await audit.ack([d.entry_id for d in seen])
+    await trim_acked(client, stream, approximate=False)
+    assert await _ids(client, stream) == ids[124:]
+    await client.aclose()
+
+
+async def test_the_ack_path_trims_at_a_bounded_rate_and_a_stream_without_groups_is_kept(redis_url):
+    """Approximate trimming from `ack` (whole radix-tree nodes of 100 entries), counted in the metric;
+    a second ack within `trim_every_s` does not trim; a stream no group reads is never trimmed."""
+    client = connect(redis_url)
+    stream = trajectories_stream("trim3")
+    consumer = await _consumer(client, "c0", stream)
+    consumer.trim_every_s = 3600.0
+    await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(350)])
+    got = await consumer.read(count=400, block_ms=50)
+    before = metrics.STREAM_MESSAGES_TRIMMED.labels(stream)._value.get()
+    await consumer.ack([d.entry_id for d in got[:320]])  # the first ack trims at once
+    trimmed = metrics.STREAM_MESSAGES_TRIMMED.labels(stream)._value.get() - before
+    assert 0 < trimmed <= 320 and await client.xlen(stream) == 350 - trimmed
+    assert min(await _ids(client, stream)) <= got[320].entry_id  # nothing pending went
+    await consumer.ack([d.entry_id for d in got[320:]])  # within the hour: no second trim
+    assert metrics.STREAM_MESSAGES_TRIMMED.labels(stream)._value.get() - before == trimmed
+    lone = trajectories_stream("trim3-nogroup")
+    await StreamProducer(client, lone).add([b"x"] * 300)
+    assert await trim_acked(client, lone) == 0 and await client.xlen(lone) == 300
+    assert await trim_acked(client, trajectories_stream("trim3-absent")) == 0
+    await client.aclose()
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["add", "read", "ack"]), st.integers(0, 1), st.integers(1, 6)),
+                min_size=1, max_size=25))
+def test_trimming_never_drops_a_pending_or_undelivered_entry(redis_server, ops):
+    """Random adds, reads and partial acks by two groups, an exact trim after each step: every entry
+    pending in a group or not yet delivered to one is still in the stream, and every entry both
+    groups acked below the floor is gone."""
+    async def run() -> None:
+        client = connect(redis_server.url)
+        stream = trajectories_stream(f"trimprop-{uuid.uuid4().hex[:8]}")
+        groups = [await _consumer(client, "c", stream), await _consumer(client, "c", stream)]
+        groups[1].group = "other"
+        await groups[1].ensure_group()
+        for g in groups:
+            g.trim_every_s = None
+        added: list[bytes] = []
+        held: list[list[bytes]] = [[], []]
+        delivered: list[set] = [set(), set()]
+        for op, gi, n in ops:
+            if op == "add":
+                added += await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(n)])
+            elif op == "read":
+                got = [d.entry_id for d in await groups[gi].read(count=n, block_ms=1)]
+                held[gi] += got
+                delivered[gi].update(got)
+            elif held[gi]:
+                done, held[gi] = held[gi][::2][:n], [e for e in held[gi] if e not in held[gi][::2][:n]]
+                await groups[gi].ack(done)
+            await trim_acked(client, stream, approximate=False)
+            left = set(await _ids(client, stream))
+            must_stay = {e for e in added if any(e in held[k] or e not in delivered[k] for k in (0, 1))}
+            assert must_stay <= left
+            floor = min((min(held[k] + [max(delivered[k], default=b"0-0", key=_key)], key=_key) for k in (0, 1)),
+                        key=_key)
+            assert not {e for e in left if _key(e) < _key(floor)}
+        await client.delete(stream)
         await client.aclose()
 
     asyncio.run(run())
