@@ -20,6 +20,12 @@ nothing about which environment it plays:
   whose group was already pushed is only acked, so no group is pushed twice;
 - while a group runs, its entry's idle time is refreshed (a lease), so a slow but
   live worker is not robbed by XAUTOCLAIM;
+- backpressure: before taking a task, a worker waits (polling with capped backoff, never
+  busy) while more than `max_trajectory_backlog` trajectories wait undelivered to the
+  learner group, so producers that outpace the learner stop at a bounded stream instead
+  of filling Redis. Only undelivered entries count: the learner keeps the entries of its
+  last `checkpoint_every` updates pending until the checkpoint, and they clear only after
+  updates that need new trajectories; counting them could stall both sides;
 - a group that fails (an engine outage, a task its environment cannot build) is
   `nack`ed with the error: the task is left for redelivery to any worker, and after
   `infra.max_deliveries` failed deliveries it moves to `<tasks stream>:dead` with the
@@ -48,18 +54,19 @@ from infra import metrics
 from infra.budget import StepBudget
 from infra.config import ActorsConfig
 from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode, new_id
-from infra.streams import (DATA_FIELD, DEFAULT_MAX_DELIVERIES, WORKERS_GROUP, StreamConsumer, key, tasks_stream,
-                           trajectories_stream, with_retry)
+from infra.streams import (DATA_FIELD, DEFAULT_MAX_DELIVERIES, LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, key,
+                           stream_backlog, tasks_stream, trajectories_stream, with_retry)
 from infra.task_stats import TaskStatsStore
 from simulator.replay_buffer import Transition
 
 log = logging.getLogger(__name__)
 # The counters `status()` reports (a worker actor still starting reports them at zero).
 STATUS_COUNTERS = ("groups_done", "episodes_done", "trajectories_pushed", "groups_failed", "steps_taken",
-                   "tasks_dead_lettered")
+                   "tasks_dead_lettered", "backpressure_s")
 
 HANDBACK_CONSUMER = "handed-back"
 GROUP_DONE_TTL_S = 7 * 24 * 3600
+BACKPRESSURE_POLL_S = (0.05, 2.0)  # first and longest wait between two looks at the trajectory backlog
 
 
 class Policy(Protocol):
@@ -113,6 +120,7 @@ class RolloutWorker:
         self.episodes_done = 0
         self.steps_taken = 0
         self.tasks_dead_lettered = 0
+        self.backpressure_s = 0.0  # seconds this worker's task loops waited on the trajectory backlog
 
     # ----- the loop -----
     async def run(self, max_groups: int | None = None) -> None:
@@ -131,6 +139,7 @@ class RolloutWorker:
     async def _task_loop(self, max_groups: int | None) -> None:
         while not self._stopping.is_set() and (max_groups is None or self.groups_done < max_groups):
             async with self._read_lock:
+                await self._wait_for_learner()
                 if self._stopping.is_set():
                     return
                 deliveries = [d for d in await self.consumer.read(count=1, block_ms=200) if d.entry_id not in self._inflight]
@@ -166,6 +175,36 @@ class RolloutWorker:
                 await asyncio.sleep(1.0)
             finally:
                 self._inflight.pop(d.entry_id, None)
+
+    async def _wait_for_learner(self) -> None:
+        """Backpressure: return once the trajectories undelivered to the learner are at most
+        `max_trajectory_backlog` (or at stop()). Called under the read lock: one loop polls."""
+        bound = self.cfg.max_trajectory_backlog
+        if not bound:
+            return
+        loop = asyncio.get_running_loop()
+        delay, started = BACKPRESSURE_POLL_S[0], None
+        try:
+            while not self._stopping.is_set():
+                backlog = await stream_backlog(self.client, self.traj_stream, LEARNER_GROUP)
+                if backlog <= bound:
+                    return
+                if started is None:
+                    started = loop.time()
+                    metrics.ROLLOUT_BACKPRESSURE_WAITING.inc()
+                    log.info("%s: %d trajectories wait for the learner (bound %d); holding new tasks",
+                             self.worker_id, backlog, bound)
+                try:
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+                delay = min(BACKPRESSURE_POLL_S[1], delay * 2)
+        finally:
+            if started is not None:
+                waited = loop.time() - started
+                self.backpressure_s += waited
+                metrics.ROLLOUT_BACKPRESSURE_SECONDS.inc(waited)
+                metrics.ROLLOUT_BACKPRESSURE_WAITING.dec()
 
     async def _serve(self, entry_id: bytes, task: Task) -> None:
         done_key = key(self.prefix, f"groupdone:{entry_id.decode()}")

@@ -226,6 +226,7 @@ class ActorsConfig:
     autoscale: bool = _f(False, "Add/remove workers from stream backlog and engine queue depth.")
     autoscale_max_workers: int = _f(8, "Upper bound for autoscaling.", POSITIVE)
     real_transitions: int = _f(0, "Exact budget of real-environment transitions the rollout workers may take (env_kind=real); when it is spent, the run trains on what it collected and stops. 0 = no limit (counted all the same).", NON_NEGATIVE)
+    max_trajectory_backlog: int = _f(256, "Backpressure: a rollout worker takes no new task while more than this many trajectories wait on the trajectory stream undelivered to the learner (it polls with backoff, counted in rollout_backpressure_wait_seconds_total); groups already running still push. Entries the learner holds pending until its checkpoint do not count: they only clear after the updates that need new trajectories. 0 = no bound.", NON_NEGATIVE)
 
 
 @dataclass

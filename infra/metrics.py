@@ -45,6 +45,8 @@ ROLLOUT_WORKERS = Gauge("rollout_workers", "Rollout workers running their loop i
 ROLLOUT_POOL_WORKERS = Gauge("rollout_pool_workers", "Rollout workers the elastic pool runs (set by the driver, local or Ray).")
 ROLLOUT_INFLIGHT_EPISODES = Gauge("rollout_inflight_episodes", "Episodes in progress in this process.")
 ROLLOUT_SCALE_EVENTS = Counter("rollout_scale_events_total", "Rollout workers started or stopped by the elastic pool.", ["direction"])
+ROLLOUT_BACKPRESSURE_SECONDS = Counter("rollout_backpressure_wait_seconds_total", "Seconds rollout workers waited before taking a task because the trajectories not yet delivered to the learner exceeded actors.max_trajectory_backlog.")
+ROLLOUT_BACKPRESSURE_WAITING = Gauge("rollout_backpressure_waiting", "Rollout task loops in this process waiting on the trajectory backlog now.")
 
 # --- environments (actors/envs/) ---
 ENV_RESETS = Counter("env_resets_total", "Real environment resets.", ["family"])

@@ -3,7 +3,8 @@
 Owns the learner's bookkeeping of stream entries, not the update maths
 (learner/update.py) nor the transport's delivery rules (infra/streams.py):
 
-1. read the trajectory stream through the learner's consumer group; dedupe on
+1. read the trajectory stream through the learner's consumer group, only while the
+   next update's units are not all ready (no unbounded read-ahead); dedupe on
    trajectory_id (delivery is at-least-once): a second entry of a held or already-used
    trajectory is acked at once, counted as `duplicate`, and never trained;
 2. hold GRPO members until all G of a group arrived (or `group_timeout_s` passed);
@@ -103,8 +104,12 @@ class GroupBatcher:
         """Read once; the next update's units when enough are ready (the learner is at `version`), else None.
 
         `final`: no more trajectories will come (a real-transition budget is spent): incomplete
-        groups are formed as if timed out, and a short batch (at least one unit) is returned."""
-        await self._intake()
+        groups are formed as if timed out, and a short batch (at least one unit) is returned.
+
+        No read while a whole update's units are ready: what the learner cannot use yet stays
+        undelivered in Redis, where the workers' backpressure sees it, instead of piling up here."""
+        if len(self._ready) < self.units_needed:
+            await self._intake()
         await self._form_units(version, final)
         n = self.units_needed
         if final and self._ready:

@@ -7,9 +7,11 @@ import asyncio
 import pytest
 
 from actors.rollout_worker import RolloutWorker
+from infra import metrics
 from infra.config import ActorsConfig
 from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode
-from infra.streams import WORKERS_GROUP, StreamProducer, connect, tasks_stream, trajectories_stream
+from infra.streams import (LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, StreamProducer, connect, stream_backlog,
+                           tasks_stream, trajectories_stream)
 from infra.task_stats import TaskStatsStore
 from tests.rollout_fakes import LadderEnv, ScriptedPolicy
 
@@ -221,4 +223,46 @@ async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_u
     assert dead[0][1][b"error"].decode().startswith("NoRealCounterpart: task variant")
     assert {t.task_id for t in await read_trajs(client)} == {"real"} and worker.tasks_dead_lettered == 1
     assert (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0
+    await client.aclose()
+
+
+async def test_a_worker_waits_while_the_learner_is_behind_and_resumes_when_it_drains(redis_url):
+    """Backpressure: with more than `max_trajectory_backlog` trajectories undelivered to the learner
+    group, the worker takes no task (the rest stay on the task stream); once the learner reads and
+    acks them (and the stream is trimmed) it goes on, and stop() ends a wait at once."""
+    client = connect(redis_url)
+    learner = StreamConsumer(client, trajectories_stream(PREFIX), LEARNER_GROUP, "l0",
+                             lambda b: decode_as(b, Trajectory), trim_every_s=0)
+    await learner.ensure_group()
+    await push_tasks(client, 6)
+    waited_before = metrics.ROLLOUT_BACKPRESSURE_SECONDS._value.get()
+    w = make_worker(client, max_trajectory_backlog=4)  # groups of 3: the third group must wait
+    run = asyncio.create_task(w.run())
+    for _ in range(100):
+        if metrics.ROLLOUT_BACKPRESSURE_WAITING._value.get() >= 1:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # waiting, not busy: nothing more is pushed or taken
+    assert w.trajectories_pushed == 6 and w.groups_done == 2
+    assert await stream_backlog(client, trajectories_stream(PREFIX), LEARNER_GROUP) == 6
+    assert await stream_backlog(client, tasks_stream(PREFIX)) == 4  # untouched, for any worker
+    trained = []
+    for _ in range(200):  # the learner drains the stream; the worker follows
+        got = await learner.read(count=10, block_ms=50)
+        trained += [d.message.trajectory_id for d in got]
+        await learner.ack([d.entry_id for d in got])
+        if w.groups_done == 6 and len(trained) == 18:
+            break
+    assert w.groups_done == 6 and len(set(trained)) == 18
+    assert w.backpressure_s > 0 and metrics.ROLLOUT_BACKPRESSURE_SECONDS._value.get() > waited_before
+    assert await client.xlen(trajectories_stream(PREFIX)) < 18  # acked entries were trimmed
+    await push_tasks(client, 3)  # the learner stops reading: the worker waits again ...
+    for _ in range(100):
+        if metrics.ROLLOUT_BACKPRESSURE_WAITING._value.get() >= 1:
+            break
+        await asyncio.sleep(0.05)
+    assert metrics.ROLLOUT_BACKPRESSURE_WAITING._value.get() >= 1
+    await asyncio.wait_for(w.stop(drain=True), 1.0)  # ... until stop()
+    await asyncio.wait_for(run, 1.0)
+    assert metrics.ROLLOUT_BACKPRESSURE_WAITING._value.get() == 0
     await client.aclose()
