@@ -40,7 +40,7 @@ prompt lists the possible actions and asks for the next one; the policy engine r
 the log-likelihood of every candidate's text (plus the end-of-turn token) after the
 prompt (`EngineClient.score`, SGLang's prefill log-probs), and the policy is the
 softmax over candidates of their length-normalised log-likelihoods (`score_turn`,
-`ChoicePolicy`, the learner's `scored_logprobs`, all through
+`ChoicePolicy`, and learner/policy_model.py's `scored_logprobs`, both through
 infra/engine/scoring.py). Measured on 96 held-out TextWorld decisions: SmolLM2-135M
 picks the expert's action 26 % of the time with letters (chance) and 48 % by scoring,
 and 20 supervised steps on train-game decisions took scoring to 88 % while letters
@@ -370,28 +370,6 @@ def gather_choice_logprobs(logits: Any, choice_token_ids: Sequence[Sequence[int]
         row = torch.log_softmax(logits[i, labels].float(), dim=-1)
         rows.append(row[labels.index(int(chosen))])
     return torch.stack(rows)
-
-
-def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidates: Sequence[Sequence[Sequence[int]]],
-                    chosen: Sequence[int], want_hidden: bool = False):
-    """The learner-side twin of score mode: (log-prob of each chosen candidate [B], differentiable;
-    each prompt's last hidden state [B, H] or None). Identical prompts (a GRPO group's first step)
-    with the same candidates run once."""
-    import torch  # the learner's side only
-
-    from infra.engine.scoring import continuation_logprobs, mean_logprobs  # torch: the learner's side only
-
-    rows, hidden, memo = [], [], {}
-    for prompt, cands, k in zip(prompts, candidates, chosen):
-        key = (prompt, tuple(tuple(c) for c in cands))
-        if key not in memo:
-            prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            lps, h = continuation_logprobs(model, prefix, cands, want_hidden)
-            memo[key] = (torch.log_softmax(mean_logprobs(lps), dim=-1), h)
-        dist, h = memo[key]
-        rows.append(dist[int(k)])
-        hidden.append(h)
-    return torch.stack(rows), (torch.stack(hidden) if want_hidden else None)
 
 
 def choice_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],

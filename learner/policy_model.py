@@ -24,16 +24,35 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward, scored_logprobs
+from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
+from infra.engine.scoring import continuation_logprobs, mean_logprobs
 from infra.engine.models import load_model
 from learner.precision import Precision
 
 log = logging.getLogger(__name__)
+
+
+def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidates: Sequence[Sequence[Sequence[int]]],
+                    chosen: Sequence[int], want_hidden: bool = False):
+    """The learner-side twin of score mode: (log-prob of each chosen candidate [B], differentiable;
+    each prompt's last hidden state [B, H] or None). Identical prompts (a GRPO group's first step)
+    with the same candidates run once."""
+    rows, hidden, memo = [], [], {}
+    for prompt, cands, k in zip(prompts, candidates, chosen):
+        key = (prompt, tuple(tuple(c) for c in cands))
+        if key not in memo:
+            prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            lps, h = continuation_logprobs(model, prefix, cands, want_hidden)
+            memo[key] = (torch.log_softmax(mean_logprobs(lps), dim=-1), h)
+        dist, h = memo[key]
+        rows.append(dist[int(k)])
+        hidden.append(h)
+    return torch.stack(rows), (torch.stack(hidden) if want_hidden else None)
 
 
 def is_scored(choice_token_ids: Sequence) -> bool:

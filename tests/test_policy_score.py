@@ -16,11 +16,12 @@ import torch
 
 from actors.episode import record
 from actors.envs.base import StepResult
-from actors.policy import ChoicePolicy, score_turn, scored_logprobs, split_choices
+from actors.policy import ChoicePolicy, score_turn, split_choices
 from infra import schema
 from infra.config import ConfigError, load_config
 from infra.engine.scoring import continuation_logprobs
 from infra.schema import Step, Task
+from learner.policy_model import scored_logprobs
 from learner.update import choice_args
 
 TASK = Task("t1", "take the coin and put it in the box")
@@ -84,8 +85,9 @@ def test_a_supervised_step_raises_the_expert_candidates_probability(smollm2):
 
     from learner.policy_sft import ChoiceExample, train_on_examples
 
-    base, tok = smollm2
     from learner.policy_model import PolicyModel
+
+    base, tok = smollm2
 
     policy = PolicyModel(model=copy.deepcopy(base), tokenizer=tok)
     turn = score_turn(tok, TASK, *STATES[1])
