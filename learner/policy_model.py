@@ -40,19 +40,20 @@ log = logging.getLogger(__name__)
 def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidates: Sequence[Sequence[Sequence[int]]],
                     chosen: Sequence[int], want_hidden: bool = False):
     """The learner-side twin of score mode: (log-prob of each chosen candidate [B], differentiable;
-    each prompt's last hidden state [B, H] or None). Identical prompts (a GRPO group's first step)
+    each prompt's last hidden state [B, H] or None; tokens run through the model). Identical prompts (a GRPO group's first step)
     with the same candidates run once."""
-    rows, hidden, memo = [], [], {}
+    rows, hidden, memo, tokens = [], [], {}, 0
     for prompt, cands, k in zip(prompts, candidates, chosen):
         key = (prompt, tuple(tuple(c) for c in cands))
         if key not in memo:
             prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             lps, h = continuation_logprobs(model, prefix, cands, want_hidden)
+            tokens += len(prefix) + sum(len(c) for c in cands)
             memo[key] = (torch.log_softmax(mean_logprobs(lps), dim=-1), h)
         dist, h = memo[key]
         rows.append(dist[int(k)])
         hidden.append(h)
-    return torch.stack(rows), (torch.stack(hidden) if want_hidden else None)
+    return torch.stack(rows), (torch.stack(hidden) if want_hidden else None), tokens
 
 
 def is_scored(choice_token_ids: Sequence) -> bool:
@@ -109,9 +110,8 @@ class PolicyModel(nn.Module):
         token ids and each `chosen_ids` entry the chosen candidate's index."""
         if is_scored(choice_token_ids):
             with self.precision.autocast():
-                logp, hidden = scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids, chosen_ids,
-                                               want_hidden=self.value_head is not None)
-            self.last_tokens = sum(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in set(prompts))
+                logp, hidden, self.last_tokens = scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids,
+                                                                 chosen_ids, want_hidden=self.value_head is not None)
             values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
             return logp, values
         logits, hidden, self.last_tokens = self._choice_logits(self.lm, prompts, chosen_ids,

@@ -191,8 +191,9 @@ class Batcher:
                 lps, _ = continuation_logprobs(model, list(prefix), [prompts[i][start:] for i in members])
                 for i, lp in zip(members, lps):
                     out[i] = lp.tolist()
-        self.requests_total += len(prompts)
-        self.prompt_tokens_total += sum(len(p) for p in prompts)
+        with self._cv:  # the decode loop's thread updates the same counters
+            self.requests_total += len(prompts)
+            self.prompt_tokens_total += sum(len(p) for p in prompts)
         return out, version
 
     @property
