@@ -145,9 +145,15 @@ def _option_text(candidate: str, items: dict[int, str]) -> str:
     return candidate
 
 
-def _turn_text(task: Task | None, state: str, candidates: Sequence[str], recent: Sequence[str],
-               first: bool) -> str:
-    """A user message: (goal, previous actions: first turn only), state, options."""
+def _recent_actions(history: Sequence[Any], history_window: int) -> list[str]:
+    """The last `history_window` previous actions as text (strings, or objects with `.action`)."""
+    recent = [h if isinstance(h, str) else str(getattr(h, "action", h)) for h in history]
+    return recent[-history_window:] if history_window > 0 else []
+
+
+def _context_lines(task: Task | None, state: str, recent: Sequence[str], first: bool) -> tuple[list[str], dict[int, str]]:
+    """The lines both action modes open a user message with: goal and previous actions (first turn
+    only), the state; and the state's items by ref (for the options' text)."""
     lines = []
     if first and task is not None and task.instruction:
         lines.append(f"Goal: {task.instruction.strip()}")
@@ -156,6 +162,13 @@ def _turn_text(task: Task | None, state: str, candidates: Sequence[str], recent:
         lines.append(f"State:\n{desc}")
     if first and recent:
         lines.append("Previous actions: " + "; ".join(recent))
+    return lines, items
+
+
+def _turn_text(task: Task | None, state: str, candidates: Sequence[str], recent: Sequence[str],
+               first: bool) -> str:
+    """A user message: (goal, previous actions: first turn only), state, options."""
+    lines, items = _context_lines(task, state, recent, first)
     lines.append("Options:")
     lines += [f"{LABELS[i]}) {_option_text(c, items)}" for i, c in enumerate(candidates)]
     lines.append("Answer with one letter.")
@@ -190,8 +203,7 @@ def choice_turn(tokenizer: Any, task: Task | None, state: str, candidates: Seque
         prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         if prompt.startswith(prev.prompt + LABELS[prev.index]):
             return ChoicePrompt(prompt, labels, msgs)
-    recent = [h if isinstance(h, str) else str(getattr(h, "action", h)) for h in history]
-    recent = recent[-history_window:] if history_window > 0 else []
+    recent = _recent_actions(history, history_window)
     msgs = [{"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": _turn_text(task, state, candidates, recent, True)}]
     prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -224,16 +236,7 @@ def score_turn(tokenizer: Any, task: Task | None, state: str, candidates: Sequen
     each candidate's continuation is its text followed by the end-of-turn token."""
     if not candidates:
         raise ValueError("no candidate actions to choose from")
-    lines = []
-    if task is not None and task.instruction:
-        lines.append(f"Goal: {task.instruction.strip()}")
-    desc, items = _state_view(state, task.instruction if task is not None else "")
-    if desc:
-        lines.append(f"State:\n{desc}")
-    recent = [h if isinstance(h, str) else str(getattr(h, "action", h)) for h in history]
-    recent = recent[-history_window:] if history_window > 0 else []
-    if recent:
-        lines.append("Previous actions: " + "; ".join(recent))
+    lines, items = _context_lines(task, state, _recent_actions(history, history_window), True)
     lines.append("Possible actions: " + "; ".join(_option_text(c, items) for c in candidates))
     lines.append("What is the next action?")
     msgs = [{"role": "system", "content": SCORE_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
