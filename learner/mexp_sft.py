@@ -195,12 +195,13 @@ def save(model: Any, tokenizer: Any, out_dir: Path) -> Path:
 
 
 def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, family: str = "textworld",
-            seed: int = 0, progress: bool = True) -> dict[str, Any]:
-    """Load the offline data, build examples with retrieval, train, save; returns the report."""
+            seed: int = 0, progress: bool = True, base_model: str = "smollm2") -> dict[str, Any]:
+    """Load the offline data, build examples with retrieval, train, save; returns the report.
+    Training starts from `cfg.checkpoint` when set (continue a Mexp), else from `base_model`."""
     Precision.checked(cfg.sft_device, cfg.sft_dtype, "simulator.sft_device", "simulator.sft_dtype")  # before any loading
     trajs = load_offline(data_dir, family)
     train_trajs, held_trajs = split_trajectories(trajs, cfg.heldout_frac, data_dir, family)
-    model, tokenizer = prepare_model(cfg.checkpoint, cfg.sft_lora_rank, cfg.sft_device)
+    model, tokenizer = prepare_model(cfg.checkpoint or base_model, cfg.sft_lora_rank, cfg.sft_device)
     embedder = Embedder(cache_path=Path(data_dir) / ".cache" / "embeddings.sqlite")
     with tempfile.TemporaryDirectory(prefix="mexp-sft-buffer-") as tmp:
         buffer = EdgeBuffer(Path(tmp) / "edge", embedder) if cfg.retrieval else None
@@ -243,7 +244,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     out = Path(args.out or Path(cfg.infra.run_dir) / "mexp")
-    report = run_sft(cfg.simulator, cfg.infra.data_dir, out, args.family, cfg.infra.seed, not args.no_progress)
+    report = run_sft(cfg.simulator, cfg.infra.data_dir, out, args.family, cfg.infra.seed, not args.no_progress,
+                     base_model(cfg))
     table = Table(title=f"Mexp SFT -> {report['checkpoint']}")
     table.add_column("held-out loss")
     table.add_column("before")
@@ -271,10 +273,15 @@ def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT, **shaping}
 
 
+def base_model(cfg: Any) -> str:
+    """The model Mexp SFT starts from for the whole config `cfg`: `simulator.mexp_model`, else `engines.model`."""
+    return cfg.simulator.mexp_model or cfg.engines.model
+
+
 def cache_dir(cfg: Any) -> Path:
     """Where `dreamgym train` keeps (and `dreamgym train-mexp` writes by default) this artifact for the
     whole config `cfg`: `<data_dir>/mexp/<family>-<key of cache_settings>`."""
     family = cfg.actors.env_family
     offline = settings_key(offline_settings(family, cfg.data, cfg.infra.seed))
-    key = settings_key(cache_settings(cfg.simulator, cfg.engines.model, offline, cfg.infra.seed))
+    key = settings_key(cache_settings(cfg.simulator, base_model(cfg), offline, cfg.infra.seed))
     return Path(cfg.infra.data_dir) / "mexp" / f"{family}-{key}"

@@ -103,3 +103,28 @@ async def test_train_in_score_mode_warm_starts_trains_and_evaluates(tiny_run, tm
     assert summary["history"][0]["version"] == 1 and summary["history"][0]["loss"] == summary["history"][0]["loss"]
     warm = json.loads((policy_sft.cache_dir(cfg) / "warm_start.json").read_text())
     assert warm["steps"] == 2 and warm["first_loss"] > 0
+
+
+async def test_train_loads_the_policy_it_built_into_configured_servers(tiny_run, tiny_dir, tw_data_dir, tmp_path):
+    """With `engines.policy_endpoints` (SGLang on a cluster), the warm-started policy reaches the
+    servers through /update_weights_from_disk before anything is evaluated: the held-out
+    evaluation measures the model the run built, not the one the server was launched with."""
+    import aiohttp
+
+    from infra.engine.server import start_embedded_engine
+    from infra.run.driver import train
+    from learner import policy_sft
+
+    server = await start_embedded_engine(model=str(tiny_dir), max_batch_size=4,
+                                         weights_roots=[str(tw_data_dir), str(tmp_path)])
+    try:
+        cfg = load_config(None, [*tiny_run, f"engines.policy_endpoints=[{server.url}]", "learner.total_updates=0",
+                                 "learner.warm_start_steps=1", "learner.warm_start_batch=2"])
+        summary = await train(cfg, "external-policy")
+        async with aiohttp.ClientSession() as http, http.get(server.url + "/get_model_info") as r:
+            served = (await r.json())["model_path"]
+    finally:
+        await server.stop()
+    built = policy_sft.cache_dir(cfg)
+    assert served == str(built.resolve()) and (built / "config.json").exists()
+    assert summary["heldout_after"] is not None

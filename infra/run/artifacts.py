@@ -81,7 +81,8 @@ def mexp_checkpoint(cfg: Config, offline: list, console: Any = None) -> str:
         return cfg.simulator.checkpoint
 
     def sft(cache: Path) -> str:
-        report = mexp_sft.run_sft(cfg.simulator, cfg.infra.data_dir, cache, cfg.actors.env_family, cfg.infra.seed)
+        report = mexp_sft.run_sft(cfg.simulator, cfg.infra.data_dir, cache, cfg.actors.env_family, cfg.infra.seed,
+                                  base_model=mexp_sft.base_model(cfg))
         before = report.get("before", {}).get("loss_all", float("nan"))
         after = report.get("after", {}).get("loss_all")
         return (f"{report['train_examples']} examples, held-out loss {before:.3f} -> "

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from rich.console import Console
@@ -98,6 +99,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
             mexp_model = artifacts.mexp_checkpoint(cfg, offline, console)
         policy_model = artifacts.policy_start(cfg, offline, console)
         await svc.start_engines(mexp_model, policy_model)
+        await serve_built_models(cfg, svc, mexp_model, policy_model, console)
         learner, curriculum = await make_trainer(cfg, svc, policy_model, splits.train, resume) if plan else (None, None)
         fidelity = await fidelity_check(cfg, svc, offline, console) if dreamgym else None
         before = await heldout_eval(cfg, svc, splits.heldout, "before", console) \
@@ -122,6 +124,20 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
                                  offline, fidelity)
         return report.write_report(svc.run_dir, summary, history, console)
+
+
+async def serve_built_models(cfg: Config, svc: Services, mexp_model: str | None, policy_model: str,
+                             console: Console) -> None:
+    """Configured servers (SGLang on a cluster) serve what they were launched with: load the models this
+    run built (the Mexp SFT checkpoint, the warm-started policy) into every one of them before RL, as
+    weight version 0. Their paths must be readable by the servers (a shared `infra.data_dir`). A resumed
+    learner then publishes its own checkpoint over the policy's (make_trainer)."""
+    e = cfg.engines
+    for endpoints, client, model, what in ((e.mexp_endpoints, svc.mexp, mexp_model, "Mexp"),
+                                           (e.policy_endpoints, svc.policy, policy_model, "policy")):
+        if endpoints and client is not None and model and Path(model).is_dir():
+            await client.update_weights_from_disk(str(Path(model).resolve()), 0)
+            console.print(f"{what} servers now serve {model} ({len(endpoints)} server(s))")
 
 
 def check_devices(cfg: Config) -> None:
