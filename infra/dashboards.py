@@ -70,6 +70,7 @@ DASHBOARDS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ("Added/s", "sum by (stream) (rate(stream_messages_added_total[1m]))", "ops"),
         ("Reclaimed and redelivered", "sum by (stream) (stream_messages_reclaimed_total + "
                                       "stream_messages_redelivered_total)", "none"),
+        ("Acked entries trimmed/s", "sum by (stream) (rate(stream_messages_trimmed_total[1m]))", "ops"),
     ]),
     "engines": ("DreamGym: engines", [
         ("Queue depth by engine", "sum by (instance_name) (engine_queue_depth)", "none"),
@@ -84,6 +85,8 @@ DASHBOARDS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ("Workers in the pool", "max(rollout_pool_workers)", "none"),
         ("Workers running, by process", "sum by (job, instance_name) (rollout_workers)", "none"),
         ("Scale events", "sum by (direction) (rollout_scale_events_total)", "none"),
+        ("Backpressure: share of time waiting", "sum(rate(rollout_backpressure_wait_seconds_total[1m]))", "none"),
+        ("Backpressure: task loops waiting", "sum(rollout_backpressure_waiting)", "none"),
         ("Scrape targets up by job", "sum by (job) (up)", "none"),
     ]),
     "fidelity": ("DreamGym: Mexp fidelity", [
