@@ -456,8 +456,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     raw: dict = {}
     if path:
         p = Path(path)
+        if p.is_dir() and (p / "config.yaml").is_file():  # a run directory: the config it ran with
+            p = p / "config.yaml"
         if not p.exists():
             raise ConfigError(f"config file {p} does not exist")
+        if p.is_dir():
+            raise ConfigError(f"{p} is a directory, neither a YAML file nor a run directory (no config.yaml)")
         try:
             raw = safe_load(p.read_text()) or {}
         except yaml.YAMLError as exc:

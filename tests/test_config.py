@@ -56,6 +56,14 @@ def test_bad_yaml_file(tmp_path):
         load_config(p)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_a_run_directory_loads_the_config_it_ran_with(tmp_path):
+    """`dreamgym status runs/NAME` (or eval, or train): a run directory stands for its config.yaml."""
+    (tmp_path / "config.yaml").write_text("learner:\n  lr: 3.0e-5\n")
+    assert load_config(tmp_path).learner.lr == 3e-5
 
 
 def test_secrets_never_in_dump():
