@@ -124,6 +124,7 @@ class InfraConfig:
     redis_url: str = _f("", "Redis URL (redis:// or rediss://, may carry user and password). Empty: start an embedded Redis on a free port.")
     redis_tls_ca: str = _f("", "Path to a CA bundle for rediss:// connections; empty uses the system store.")
     ray_address: str = _f("", "Ray cluster address ('auto', 'ray://host:10001'). Empty: a local Ray runtime.")
+    ray_runtime_env: str = _f("auto", "How Ray actors get DreamGym's code: 'auto' ships the packages actors, learner, simulator and infra from the driver to every node as a Ray runtime_env (py_modules) when joining a cluster (infra.ray_address or RAY_ADDRESS), so nodes need only the dependencies installed; 'off' ships nothing (every node has the same DreamGym installed). A local Ray runtime imports the driver's own install either way.", _one_of("auto", "off"))
     run_dir: str = _f("runs", "Directory under which each run writes checkpoints, plots and summaries.")
     data_dir: str = _f("data", "Directory for offline datasets, generated games and cached embeddings.")
     metrics_port: int = _f(0, "Port of the driver's Prometheus /metrics (learner, curriculum, local workers). 0 disables monitoring; when set, Ray actors also serve /metrics on free ports and the driver lists every target in <run_dir>/monitoring/targets.json (file_sd).", PORT)

@@ -12,15 +12,27 @@ the inherited environment, and refuse a local start if it differs from
 `auth_mode` when one is given); a local node must be given explicit memory and
 object-store sizes, else each node started on one machine claims all the RAM. With no
 address (and no RAY_ADDRESS) we start a fresh local runtime, never a stale one we find.
+
+Code reaches the nodes here too, and only here: joining a cluster, `init_ray` gives the job a
+`runtime_env` whose `py_modules` are the driver's own packages (actors, learner, simulator,
+infra; `code_runtime_env`), so every actor of the run (rollout workers, the buffer, the
+scheduler, the engines) imports the driver's version of DreamGym and a node needs only the
+dependencies (`infra.ray_runtime_env: off` when every node has DreamGym installed). Settings
+travel with each actor's arguments (the Redis URL with its password, `infra.redis_tls_ca`,
+`engines.api_key`, `simulator.qdrant_api_key`); files they name (the CA bundle, the model,
+`infra.run_dir`) must exist at the same path on every node.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from infra import metrics
 
@@ -40,10 +52,35 @@ LOCAL_MEMORY_BYTES = 4 * 1024 ** 3
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 ** 2
 
 
+# DreamGym's own packages: what a node without DreamGym installed needs from the driver
+CODE_PACKAGES = ("actors", "learner", "simulator", "infra")
+RUNTIME_ENV_MODES = ("auto", "off")
+
+
+def code_runtime_env(mode: str = "auto", joining: bool = True) -> dict[str, Any] | None:
+    """The job's runtime_env: the driver's packages as `py_modules` when joining a cluster ('auto'), else None."""
+    if mode not in RUNTIME_ENV_MODES:
+        raise ValueError(f"infra.ray_runtime_env={mode!r}; expected one of {', '.join(RUNTIME_ENV_MODES)}")
+    if mode == "off" or not joining:
+        return None
+    dirs = []
+    for name in CODE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"cannot ship package {name!r} to the Ray nodes: it is not importable here")
+        dirs.append(str(Path(list(spec.submodule_search_locations)[0]).resolve()))
+    # Bytecode is rebuilt on each node; Ray hashes the rest, so an unchanged tree uploads once.
+    return {"py_modules": dirs, "excludes": ["__pycache__", "*.pyc"]}
+
+
 def init_ray(address: str = "", num_cpus: int | None = None, memory_bytes: int = LOCAL_MEMORY_BYTES,
              object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES, resources: dict[str, float] | None = None,
-             auth_mode: str | None = None, namespace: str = "dreamgym") -> dict:
-    """Join `address` (a running cluster) or start a small local runtime; returns the cluster's resources."""
+             auth_mode: str | None = None, namespace: str = "dreamgym", runtime_env: str = "auto") -> dict:
+    """Join `address` (a running cluster) or start a small local runtime; returns the cluster's resources.
+
+    `runtime_env` is `infra.ray_runtime_env`: joining a cluster with 'auto', the job ships the
+    driver's packages to every node (`code_runtime_env`). A Ray this process already joined is
+    kept as it is, runtime_env included."""
     if auth_mode is not None:
         current = os.environ.get("RAY_AUTH_MODE")
         if current is not None and current != auth_mode:
@@ -54,6 +91,9 @@ def init_ray(address: str = "", num_cpus: int | None = None, memory_bytes: int =
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": False, "include_dashboard": False}
     address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
+        env = code_runtime_env(runtime_env, joining=True)
+        if env is not None:
+            kwargs["runtime_env"] = env
         ray.init(address=address, **kwargs)
     else:
         # "local" always starts a fresh runtime: without it ray.init() joins whatever cluster
@@ -84,9 +124,52 @@ def placement_options(role: str, cluster_resources: dict[str, float] | None = No
     return opts
 
 
+def driver_node_id() -> str:
+    """The node this (driver) process is attached to."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def on_node(options: dict, node_id: str, soft: bool = False) -> dict:
+    """`options` pinned to `node_id` (hard: the actor needs that node's local files; soft: preferred)."""
+    return {**options, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)}
+
+
+def _own_node(_actor: Any) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 def node_of_actor(handle: Any) -> str:
     """The node id an actor runs on (for placement checks)."""
-    return ray.get(handle.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+    return ray.get(handle.__ray_call__.remote(_own_node))
+
+
+class Placements:
+    """Where a run's actors ran: each actor is asked its node when it starts; `resolve()` collects the
+    answers at the end (by then most actors are gone, but their answers stay with the driver)."""
+
+    def __init__(self) -> None:
+        self._asked: list[tuple[str, Any]] = []
+
+    def record(self, role: str, handle: Any) -> None:
+        self._asked.append((role, handle.__ray_call__.remote(_own_node)))
+
+    def resolve(self, timeout_s: float = 60.0) -> dict:
+        """{"driver": node id, "actors": {role: [node ids]}, "nodes": {node id: its custom resource labels}}."""
+        if not self._asked or not ray.is_initialized():
+            return {}
+        actors: dict[str, list[str]] = {}
+        for role, ref in self._asked:
+            try:
+                actors.setdefault(role, []).append(ray.get(ref, timeout=timeout_s))
+            except Exception as exc:  # died before it answered: the run goes on without it, so does this record
+                log.warning("placement of a %s actor unknown: %s", role, exc)
+        nodes = {n["NodeID"]: sorted(k for k in n.get("Resources", {}) if k not in _BUILTIN
+                                     and not k.startswith(("node:", "accelerator_type:")))
+                 for n in ray.nodes() if n.get("Alive")}
+        return {"driver": driver_node_id(), "actors": actors, "nodes": nodes}
+
+
+_BUILTIN = {"CPU", "GPU", "TPU", "memory", "object_store_memory"}
 
 
 _ACTOR_METRICS: dict[str, Any] = {}  # this actor process's /metrics server, started once
