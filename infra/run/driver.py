@@ -28,7 +28,9 @@ serves /metrics and the run lists them for Prometheus (infra/run/monitoring.py).
 the engines, the buffer and the workers are owned by one context manager
 (infra/run/services.py). Redis is embedded unless `infra.redis_url` is set;
 `dreamgym scale --workers N` resizes the worker pool live; rollout workers run on
-this process's event loop, or as Ray actors with `actors.runtime=ray`.
+this process's event loop, or as Ray actors with `actors.runtime=ray`, which also makes
+the embedded engines, the curriculum scheduler and the buffer Ray actors placed by role
+(the learner stays in this process); summary.json then says where each ran (`placement`).
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
 
         summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
                                  offline, fidelity)
+        if placement := svc.placements():  # actors.runtime=ray: the node each actor ran on
+            summary["placement"] = placement
         return report.write_report(svc.run_dir, summary, history, console)
 
 
@@ -299,9 +303,13 @@ def make_learner(cfg: Config, svc: Services, policy_model: str) -> Learner:
 
 
 def make_curriculum(cfg: Config, svc: Services, seeds: list) -> CurriculumScheduler:
-    """The curriculum scheduler: variants from Mtask (the Mexp engine) when enabled; uniform when `curriculum.enabled` is off."""
+    """The curriculum scheduler: variants from Mtask (the Mexp engine) when enabled; uniform when `curriculum.enabled` is off.
+    With `actors.runtime=ray` it runs as an actor and this returns its handle (same methods)."""
+    mtask = cfg.curriculum.enabled and cfg.curriculum.variants_per_seed > 0 and svc.mexp is not None
+    if cfg.actors.runtime == "ray":
+        return svc.curriculum_actor(seeds, variants=mtask)
     variants = None  # Mtask writes tasks with no real counterpart: only DreamGym can play them
-    if cfg.curriculum.enabled and cfg.curriculum.variants_per_seed > 0 and svc.mexp is not None:
+    if mtask:
         embedder = getattr(svc.buffer, "embedder", None) or Embedder(cache_path=artifacts.embedding_cache(cfg))
         variants = TaskVariantGenerator(svc.mexp, svc.tokenizer, cfg.curriculum, embedder)
     return CurriculumScheduler(svc.client, cfg.curriculum, svc.prefix, seeds, variants=variants, seed=cfg.infra.seed,

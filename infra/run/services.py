@@ -9,7 +9,12 @@ directory that the record names; see infra/redis_server.py). Inside the block th
 diagram: `open_buffer` (the replay buffer, seeded with the offline data or reopened
 as a resumed run left it), `start_engines` (embedded engines for Mexp and the policy
 unless endpoints are configured; clients for both) and `workers` (the rollout-worker
-pool: on this event loop, or Ray actors with `actors.runtime=ray`). Each registers its
+pool: on this event loop, or Ray actors with `actors.runtime=ray`). With `actors.runtime=ray`
+the run joins (or starts) Ray once (`ray_resources`) and every role but the learner is an
+actor placed by its label: the embedded engines on `mexp_gpu`/`policy_gpu` nodes, the
+curriculum scheduler beside the driver (`curriculum_actor`), the buffer actor on the
+driver's node (it reopens the store the driver seeded), the workers on `rollout_cpu`;
+`placements()` says where each ran. Each registers its
 own cleanup when it opens, and leaving the block undoes them in reverse order whatever
 happened inside: workers, the Ray fleet (which hands the store back), the replay
 buffer (released, so a resumed run in this process reopens it), the engine clients
@@ -21,9 +26,11 @@ and stops).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -37,7 +44,10 @@ from infra.engine.models import load_tokenizer
 from infra.engine.server import default_weights_roots, start_embedded_engine
 from infra.redis_server import EmbeddedRedis, write_job_record
 from infra.run.artifacts import embedding_cache, say
+from infra.run.cluster.engine_actor import start_role_engine, stop_engine_actor
 from infra.run.cluster.rollout_fleet import RolloutFleet
+from infra.run.cluster.runtime import Placements, driver_node_id, init_ray, on_node, placement_options, shutdown_ray
+from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, spawn_scheduler
 from infra.run.monitoring import Monitoring
 from infra.run.workers import WorkerPool, autoscaler, local_spawner, make_env_factory
 from infra.streams import connect, ping
@@ -62,6 +72,8 @@ class Services:
         self.policy: EngineClient | None = None
         self.tokenizer: Any = None
         self.fleet: RolloutFleet | None = None
+        self.ray: dict[str, float] | None = None  # the cluster's resources, once this run joined Ray
+        self.placement = Placements()
         self.monitoring = Monitoring(cfg.infra, self.run_dir, name)
         self._stack = contextlib.AsyncExitStack()
 
@@ -97,6 +109,20 @@ class Services:
         await self.monitoring.linger()  # every target of the run is still up for the last scrape
         return await self._stack.__aexit__(*exc)
 
+    def ray_resources(self) -> dict[str, float]:
+        """Ray for this run (`actors.runtime=ray`): joined (`infra.ray_address`, shipping the code as
+        `infra.ray_runtime_env` says) or started on first use; shut down on exit if started here."""
+        if self.ray is None:
+            started = not ray.is_initialized()
+            self.ray = init_ray(self.cfg.infra.ray_address, runtime_env=self.cfg.infra.ray_runtime_env)
+            if started:
+                self._stack.callback(shutdown_ray)
+        return self.ray
+
+    def placements(self) -> dict:
+        """Where each of this run's Ray actors ran (empty without Ray); see cluster/runtime.Placements."""
+        return self.placement.resolve() if self.ray is not None else {}
+
     def open_buffer(self, offline: list) -> Any:
         """The run's replay buffer: created and seeded with every real offline transition, or
         reopened as it was (a resumed run keeps what it wrote back and is not seeded twice)."""
@@ -120,10 +146,17 @@ class Services:
         async def endpoints(configured: list, model: str, role: str) -> list[str]:
             if configured:
                 return list(configured)
+            roots = default_weights_roots(model, self.cfg.infra.run_dir, e.weights_root)
+            if self.cfg.actors.runtime == "ray":  # an engine actor on the role's labelled node
+                local = os.path.abspath(model) if os.path.isdir(model) else model  # the actor's cwd is its node's
+                actor, url = await asyncio.to_thread(start_role_engine, e, role, local, self.ray_resources(), roots)
+                self._stack.callback(stop_engine_actor, actor)
+                self.placement.record(f"{role}_engine", actor)
+                self.monitoring.add_url("engine", role, url)
+                self._stack.callback(self.monitoring.remove, "engine", role)
+                return [url]
             handle = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype,
-                                                 device=e.device, engine_cfg=e,
-                                                 weights_roots=default_weights_roots(model, self.cfg.infra.run_dir,
-                                                                                     e.weights_root))
+                                                 device=e.device, engine_cfg=e, weights_roots=roots)
             self._stack.push_async_callback(handle.stop)
             self.monitoring.add_url("engine", role, handle.url)  # its own registry, on its own port
             self._stack.callback(self.monitoring.remove, "engine", role)
@@ -136,6 +169,22 @@ class Services:
         self._stack.push_async_callback(self.policy.close)
         self.tokenizer = load_tokenizer(e.model)
 
+    def curriculum_actor(self, seeds: list, variants: bool) -> CurriculumHandle:
+        """The curriculum scheduler as an actor beside the driver (preferred, not required), on the run's
+        Redis (password and `infra.redis_tls_ca` included); Mtask variants from the Mexp engines if `variants`."""
+        cfg = self.cfg
+        opts = on_node(placement_options("scheduler", self.ray_resources(), num_cpus=0.25), driver_node_id(), soft=True)
+        make_variants = VariantSource(cfg, self.mexp.urls) if variants and self.mexp is not None else None
+        actor = spawn_scheduler(self.redis_url, self.prefix, cfg.curriculum, seeds, make_variants, seed=cfg.infra.seed,
+                                options=opts, stream_maxlen=cfg.infra.stream_maxlen,
+                                redis_tls_ca=cfg.infra.redis_tls_ca)
+        self._stack.callback(ray.kill, actor)
+        self.placement.record("scheduler", actor)
+        if self.monitoring.enabled:
+            self.monitoring.add("scheduler", "scheduler", ray.get(actor.serve_metrics.remote(self.monitoring.host)))
+            self._stack.callback(self.monitoring.remove, "scheduler", "scheduler")
+        return CurriculumHandle(actor)
+
     @contextlib.asynccontextmanager
     async def workers(self, cfg: Config | None = None) -> AsyncIterator[WorkerPool]:
         """`actors.num_workers` rollout workers for the duration of the block (see WorkerPool.running).
@@ -145,9 +194,12 @@ class Services:
         cfg = cfg or self.cfg
         if cfg.actors.runtime == "ray":  # an embedded store moves into one buffer actor, once per run
             if self.fleet is None:
+                self.ray_resources()
                 self.fleet = RolloutFleet(self.cfg, self.redis_url, self.prefix, self.mexp.urls if self.mexp else [], self.policy.urls,
                                           self.buffer, self.run_dir / "buffer", embedding_cache(self.cfg))
                 self._stack.callback(self.fleet.close)
+                if self.fleet.buffer_actor is not None:
+                    self.placement.record("buffer", self.fleet.buffer_actor)
                 self._monitor_fleet()
             spawn = self._monitored(functools.partial(self.fleet.spawn, cfg=cfg))
         else:
@@ -171,6 +223,7 @@ class Services:
         """`spawn` for Ray worker actors, each listed as a scrape target once it serves its own /metrics."""
         async def spawn_listed(worker_id: str) -> Any:
             handle = spawn(worker_id)
+            self.placement.record("rollout_worker", handle.actor)
             if self.monitoring.enabled:
                 self.monitoring.add("rollout_worker", worker_id,
                                     await handle.actor.serve_metrics.remote(self.monitoring.host))

@@ -12,6 +12,7 @@ e.g. to 0.0.0.0 when workers on other nodes must reach them) and require
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict
 from typing import Any
 
@@ -20,6 +21,9 @@ import ray
 from infra.config import EngineConfig
 from infra.engine.server import start_embedded_engine
 from infra.engine.sglang import SGLangLauncher
+from infra.run.cluster.runtime import placement_options
+
+log = logging.getLogger(__name__)
 
 
 def _advertised(bound: str) -> str:
@@ -92,6 +96,29 @@ def start_sglang_engine(cfg: EngineConfig, model_path: str | None = None, port: 
     """Place an SGLangEngineActor by label, start its server; returns (actor, url)."""
     actor = SGLangEngineActor.options(**sglang_actor_options(cfg, cluster_resources)).remote(asdict(cfg), model_path, port)
     return actor, ray.get(actor.start.remote())
+
+
+def start_role_engine(cfg: EngineConfig, role: str, model: str, cluster_resources: dict[str, float],
+                      weights_roots: list[str] | None = None) -> tuple[Any, str]:
+    """`dreamgym train`'s embedded engine for `role` ('mexp' or 'policy') as an actor on the node with
+    that role's label (`mexp_gpu`, `policy_gpu`) when the cluster has one; one GPU when `engines.device`
+    is CUDA (Ray hides the GPUs from an actor that asks for none). Returns (actor, url)."""
+    opts = placement_options(role, cluster_resources, num_cpus=0.5)
+    if cfg.device.startswith("cuda"):
+        opts["num_gpus"] = 1
+    actor = EmbeddedEngineActor.options(**opts).remote(asdict(cfg), model, None, weights_roots)
+    return actor, ray.get(actor.start.remote())
+
+
+def stop_engine_actor(actor: Any, timeout_s: float = 30.0) -> None:
+    """Stop the server, then the actor (a dead one is simply gone, and so is every actor of a job whose Ray is down)."""
+    if not ray.is_initialized():
+        return
+    try:
+        ray.get(actor.stop.remote(), timeout=timeout_s)
+    except Exception as exc:  # already dead or hung: killing it is all that is left
+        log.warning("stopping an engine actor: %s", exc)
+    ray.kill(actor)
 
 
 def start_embedded_engine_actor(cfg: EngineConfig, model: str | None = None, num_cpus: float = 1.0,

@@ -10,7 +10,7 @@ they share:
   own queries) on first use, once per process;
 - `RolloutFleet`: starts or joins Ray, opens the replay buffer the driver seeded in a
   BufferActor when the store admits one process only (Qdrant Edge, qdrant-client's
-  local mode), and spawns `RayWorkerHandle`s for infra/scale.WorkerPool.
+  local mode), on the driver's node, and spawns `RayWorkerHandle`s for infra/scale.WorkerPool.
 
 The factories are small picklable classes, not closures: Ray ships them by value and
 each actor builds its engine clients on its own event loop, on first use. Engine and
@@ -33,7 +33,7 @@ from infra.config import Config, SimulatorConfig
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.run.cluster.buffer_actor import BufferActor, BufferClient
-from infra.run.cluster.runtime import init_ray, placement_options, shutdown_ray
+from infra.run.cluster.runtime import driver_node_id, init_ray, on_node, placement_options, shutdown_ray
 from infra.run.cluster.worker_actor import RayWorkerHandle
 from infra.run.workers import make_env_factory, make_policy, write_back_sink
 from simulator.experience_model import ExperienceModel
@@ -112,14 +112,17 @@ class RolloutFleet:
         self.cfg, self.redis_url, self.prefix = cfg, redis_url, prefix
         self.mexp_urls, self.policy_urls = list(mexp_urls), list(policy_urls)
         self.started_ray = not ray.is_initialized()
-        resources = init_ray(cfg.infra.ray_address)
+        resources = init_ray(cfg.infra.ray_address, runtime_env=cfg.infra.ray_runtime_env)
         self.worker_options = placement_options("rollout", resources, override=cfg.actors.worker_resources or None)
         self.buffer_actor, self.local_buffer = None, buffer
         if cfg.actors.env_kind == "synthetic" and _shares_store(cfg):
             buffer.close()
             self.local_buffer = None
-            self.buffer_actor = BufferActor.options(**placement_options("buffer", resources, num_cpus=0.25)).remote(
-                asdict(cfg.simulator), str(buffer_path), str(embedding_cache))
+            # On the driver's node: it reopens the store the driver seeded there (`buffer_path` is local).
+            options = on_node(placement_options("buffer", resources, num_cpus=0.25), driver_node_id())
+            self.buffer_actor = BufferActor.options(**options).remote(  # absolute: an actor's cwd is its node's
+                asdict(cfg.simulator), str(Path(buffer_path).resolve()),
+                str(Path(embedding_cache).resolve()) if embedding_cache else "")
             ray.get(self.buffer_actor.size.remote())  # opened, or the error surfaces here
         log.info("rollout workers run as Ray actors with %s", self.worker_options)
 

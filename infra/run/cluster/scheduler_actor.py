@@ -6,6 +6,10 @@ which may return an awaitable: it usually opens an EngineClient and loads a
 tokenizer), then runs simulator/curriculum.CurriculumScheduler on the actor's event
 loop. Tasks cross the wire schema-encoded; `state_dict` is plain data the learner
 saves in its checkpoints and hands back to `load_state_dict` on --resume.
+
+`CurriculumHandle` is the driver's view of the actor with the CurriculumScheduler methods
+`dreamgym train` uses (so `actors.runtime=ray` changes nothing in the driver's loop), and
+`VariantSource` is the factory of its Mtask variant source, built in the actor's process.
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ from typing import Any, Callable
 
 import ray
 
-from infra.config import CurriculumConfig
+from infra.config import Config, CurriculumConfig
+from infra.engine.client import EngineClient
+from infra.engine.models import load_tokenizer
+from infra.run.artifacts import embedding_cache
 from infra.run.cluster.runtime import serve_actor_metrics
 from infra.schema import Task, decode_as, encode
 from infra.streams import connect
 from simulator.curriculum import CurriculumScheduler
+from simulator.embedder import Embedder
+from simulator.task_variants import TaskVariantGenerator
 
 
 @ray.remote
@@ -49,10 +58,16 @@ class SchedulerActor:
             return self.scheduler
 
     async def run(self) -> dict:
-        """Push task batches until stop() (or the limit); returns the final status."""
+        """Push task batches until stop() (or the limit); returns the final status. Runs again after a
+        stop (a run's next RL phase): each run has its own stop event, made before anything awaits."""
+        self._stop = stop = asyncio.Event()
         sched = await self._ready()
-        await sched.run(self._stop)
+        await sched.run(stop)
         return await self.status()
+
+    async def set_real_only(self, real_only: bool) -> None:
+        """Hand out only tasks with a real counterpart (a real-environment phase)."""
+        (await self._ready()).real_only = real_only
 
     async def stop(self) -> None:
         self._stop.set()
@@ -86,3 +101,56 @@ def spawn_scheduler(redis_url: str, prefix: str, cfg: CurriculumConfig, seeds: l
     (stream_maxlen, limit, redis_tls_ca)."""
     return SchedulerActor.options(name=f"curriculum-{prefix}", **(options or {})).remote(
         redis_url, prefix, dataclasses.asdict(cfg), [encode(t) for t in seeds], make_variants, seed, **kw)
+
+
+@dataclasses.dataclass
+class VariantSource:
+    """The Mtask variant generator on the Mexp engines' URLs, built inside the scheduler actor."""
+
+    cfg: Config
+    mexp_urls: list[str]
+
+    def __call__(self) -> TaskVariantGenerator:
+        client = EngineClient.from_config(self.cfg.engines, self.mexp_urls, role="mexp")
+        return TaskVariantGenerator(client, load_tokenizer(self.cfg.engines.model), self.cfg.curriculum,
+                                    Embedder(cache_path=embedding_cache(self.cfg)))
+
+
+class CurriculumHandle:
+    """The driver's CurriculumScheduler when the scheduler is an actor: same methods, same meaning."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+        self._real_only = False
+
+    @property
+    def real_only(self) -> bool:
+        return self._real_only
+
+    @real_only.setter
+    def real_only(self, value: bool) -> None:
+        ray.get(self.actor.set_real_only.remote(bool(value)))
+        self._real_only = bool(value)
+
+    async def run(self, stop_event: asyncio.Event) -> None:
+        """Keep the task stream topped up (in the actor) until stop_event; an actor failure raises here."""
+        done = self.actor.run.remote()
+        waiter = asyncio.ensure_future(stop_event.wait())
+        running = asyncio.ensure_future(done)
+        finished, _ = await asyncio.wait({waiter, running}, return_when=asyncio.FIRST_COMPLETED)
+        if running not in finished:
+            await self.actor.stop.remote()
+        waiter.cancel()
+        await running
+
+    async def next_batch(self) -> list[Task]:
+        return [decode_as(b, Task) for b in await self.actor.next_batch.remote()]
+
+    def state_dict(self) -> dict:
+        return ray.get(self.actor.state_dict.remote(), timeout=120)
+
+    async def load_state_dict(self, state: dict) -> None:
+        await self.actor.load_state_dict.remote(state)
+
+    async def status(self) -> dict:
+        return await self.actor.status.remote()

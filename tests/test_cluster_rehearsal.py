@@ -1,0 +1,127 @@
+"""A multi-node rehearsal on one machine (issue 15, items 6 and 7).
+
+A real Ray cluster of five nodes (`ray.cluster_utils.Cluster`), each advertising one role
+label the way `ray start --resources` does on a real cluster: a plain head, `rollout_cpu`,
+`mexp_gpu`, `policy_gpu` and `learner_gpu` (CPU nodes here; the labels are what placement
+reads). `dreamgym train` joins it through `infra.ray_address` with `actors.runtime=ray`, on
+real TextWorld offline data, the tiny random Llama as policy and Mexp, and a real Redis, in
+sim-to-real: a DreamGym phase (synthetic environments: the buffer actor and the Mexp engine
+serve the workers; the random Mexp's output is rejected, so it only runs out its time budget),
+then a real-environment phase that spends its exact transition budget and trains. Two phases
+also check that the scheduler actor feeds a second phase after it was stopped once.
+
+Checks where each actor ran, from summary.json's `placement` (each actor's own
+`ray.get_runtime_context()`) against the node ids the cluster gave: rollout workers on the
+rollout node, the Mexp and policy engines on theirs, the buffer actor on the driver's node
+(it reopens the store the driver seeded there), the scheduler beside the driver. Nothing
+runs on `learner_gpu`: the learner is still in the driver (issue 15 item 3). A second test
+checks that joining a cluster ships the code (`infra.ray_runtime_env: auto`): an actor
+imports DreamGym from Ray's runtime_env files, not from this checkout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from infra.config import load_config
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MB = 1024 ** 2
+NODE = {"num_cpus": 1, "memory": 768 * MB, "object_store_memory": 80 * MB}  # two cores, shared: keep it small
+LABELS = {"rollout": "rollout_cpu", "mexp": "mexp_gpu", "policy": "policy_gpu", "learner": "learner_gpu"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    from infra.run.cluster.runtime import shutdown_ray
+
+    shutdown_ray()  # another module's local runtime, if any
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("nodes"))  # nodes started outside the checkout, as on a real cluster
+    try:
+        c = Cluster(initialize_head=True, head_node_args=dict(NODE))
+        nodes = {role: c.add_node(**NODE, resources={label: 1}) for role, label in LABELS.items()}
+        c.wait_for_nodes()
+    finally:
+        os.chdir(here)
+    yield c, {"head": c.head_node.node_id, **{role: n.node_id for role, n in nodes.items()}}
+    shutdown_ray()
+    c.shutdown()
+
+
+async def test_train_places_every_role_on_its_labelled_node(cluster, tiny_run, tmp_path, monkeypatch):
+    import ray
+
+    from infra.run.driver import train
+
+    c, node = cluster
+    monkeypatch.chdir(tmp_path)  # see below: Ray puts the driver's working directory on every worker's path
+    cfg = load_config(None, [*tiny_run, "actors.runtime=ray", f"infra.ray_address={c.address}",
+                             "actors.env_kind=synthetic", "simulator.max_steps=2", "learner.total_updates=1",
+                             "learner.s2r_real_transitions=4", "learner.s2r_max_updates=1",
+                             "infra.train_budget_s=90", "learner.checkpoint_every=1"])
+    summary = await train(cfg, "rehearsal", evaluate=False)
+    assert not ray.is_initialized()  # train joined the cluster itself, and left it
+    dream, real = summary["phases"]
+    assert dream["env_kind"] == "synthetic" and summary["replay_buffer_size"] > 0
+    assert real["env_kind"] == "real" and real["real_transitions"] == 4 and real["transition_budget_spent"]
+
+    placed = json.loads((tmp_path / "runs" / "rehearsal" / "summary.json").read_text())["placement"]
+    assert placed == summary["placement"]
+    assert placed["driver"] == node["head"]  # this process attached to the head node
+    actors = placed["actors"]
+    assert actors["rollout_worker"] == [node["rollout"]] * 2  # one worker in each phase
+    assert actors["mexp_engine"] == [node["mexp"]]
+    assert actors["policy_engine"] == [node["policy"]]
+    assert actors["buffer"] == [node["head"]]
+    assert actors["scheduler"] == [node["head"]]
+    assert set(actors) == {"rollout_worker", "mexp_engine", "policy_engine", "buffer", "scheduler"}
+    assert node["learner"] not in {n for ids in actors.values() for n in ids}  # the learner runs in the driver
+    assert placed["nodes"][node["rollout"]] == ["rollout_cpu"] and placed["nodes"][node["head"]] == []
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_joining_a_cluster_ships_the_code_as_a_runtime_env(cluster, mode, tmp_path, monkeypatch):
+    """Ray puts the driver's working directory first on every worker's path: run from the checkout,
+    this machine's nodes would import it whatever is shipped. A real node has no checkout at that
+    path, so the driver here runs from an empty directory, as it effectively does on a cluster."""
+    import ray
+
+    import infra
+    from infra.run.cluster.runtime import code_runtime_env, init_ray, placement_options, shutdown_ray
+
+    c, node = cluster
+
+    @ray.remote
+    class Where:
+        def files(self) -> dict:
+            import actors, learner, simulator
+            import infra.run.cluster.worker_actor as worker_actor
+
+            return {m.__name__: m.__file__ for m in (actors, learner, simulator, infra, worker_actor)}
+
+    checkout = Path(infra.__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    init_ray(c.address, runtime_env=mode)
+    try:
+        env = ray.get_runtime_context().runtime_env
+        probe = Where.options(**placement_options("rollout", ray.cluster_resources())).remote()
+        files = ray.get(probe.files.remote(), timeout=300)
+    finally:
+        shutdown_ray()
+    if mode == "off":
+        assert not env.get("py_modules")
+        assert all(Path(f).resolve().is_relative_to(checkout) for f in files.values()), files
+        return
+    shipped = code_runtime_env(mode)["py_modules"]
+    assert sorted(Path(p).name for p in shipped) == ["actors", "infra", "learner", "simulator"]
+    assert len(env["py_modules"]) == 4 and all(u.startswith("gcs://_ray_pkg_") for u in env["py_modules"])  # uploaded
+    for name, f in files.items():  # every package from Ray's unpacked copy on that node, none from the checkout
+        assert "runtime_resources" in Path(f).parts and not Path(f).resolve().is_relative_to(checkout), (name, f)
