@@ -42,6 +42,11 @@ async def test_train_then_resume_continues_the_run(tiny_run, tmp_path):
     assert saved["weight_version"] == 3
     assert published_versions(tmp_path / "runs" / "resume-me") == [3]
 
+    # Resumed at its last update: the phase is done, so no worker starts and nothing is rolled out.
+    third = await train(_cfg(tiny_run, 3), "resume-me", resume=True, evaluate=False)
+    assert third["updates"] == 3 and third["weight_version"] == 3
+    assert third["trajectories_pushed"] == 0 and third["phases"][0]["seconds"] == 0.0
+
 
 async def test_train_sync_rolls_out_then_trains(tiny_run, tmp_path):
     """`dreamgym train --sync`: the learner's before_step pushes exactly one update's worth of tasks."""
