@@ -51,7 +51,7 @@ import redis.asyncio as aioredis
 from actors.envs.base import Environment
 from actors.episode import run_episode
 from infra import metrics
-from infra.budget import StepBudget
+from infra.budget import StepBudget, count_key
 from infra.config import ActorsConfig
 from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode, new_id
 from infra.streams import (DATA_FIELD, DEFAULT_MAX_DELIVERIES, LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, key,
@@ -227,6 +227,9 @@ class RolloutWorker:
             for p in payloads:
                 pipe.xadd(self.traj_stream, {DATA_FIELD: p}, maxlen=self.maxlen, approximate=True)
             pipe.set(done_key, self.worker_id, ex=GROUP_DONE_TTL_S)
+            # Run-wide counts (infra/budget.run_counts), atomic with the XADDs they count.
+            pipe.incrby(count_key(self.prefix, "trajectories_pushed"), len(trajs))
+            pipe.incrby(count_key(self.prefix, f"{self.env_kind.value}_steps_pushed"), sum(len(t.steps) for t in trajs))
             return await pipe.execute()
 
         await with_retry(op, f"XADD {self.traj_stream}")

@@ -8,6 +8,11 @@ therefore never use more than the limit between them, and `used()` is exact: eve
 granted take is one step that ran (a step that then crashed still counts: the
 environment was touched). Takes refused past the limit overshoot the raw counter,
 which is why `used()` clips it. A limit of 0 means no limit: steps are only counted.
+
+Also owns the run's pushed-experience counters (`count_key`, `run_counts`): each rollout
+worker adds its group's trajectories and steps in the same transaction as their XADD, so
+the counts survive a crashed driver and a `--resume` with the run's Redis, as the real
+budget does.
 """
 
 from __future__ import annotations
@@ -21,6 +26,19 @@ from infra.streams import key, with_retry
 
 def budget_key(prefix: str, phase: str = "real") -> str:
     return key(prefix, f"budget:{phase}_steps")
+
+
+PUSH_COUNTS = ("trajectories_pushed", "synthetic_steps_pushed", "real_steps_pushed")
+
+
+def count_key(prefix: str, name: str) -> str:
+    return key(prefix, f"count:{name}")
+
+
+async def run_counts(client: aioredis.Redis, prefix: str) -> dict[str, int]:
+    """The run's pushed trajectories and their steps by environment kind, over every segment of the run."""
+    raw = await with_retry(lambda: client.mget([count_key(prefix, n) for n in PUSH_COUNTS]), "MGET run counts")
+    return {n: int(v or 0) for n, v in zip(PUSH_COUNTS, raw)}
 
 
 class StepBudget:

@@ -45,7 +45,11 @@ async def test_train_then_resume_continues_the_run(tiny_run, tmp_path):
     # Resumed at its last update: the phase is done, so no worker starts and nothing is rolled out.
     third = await train(_cfg(tiny_run, 3), "resume-me", resume=True, evaluate=False)
     assert third["updates"] == 3 and third["weight_version"] == 3
-    assert third["trajectories_pushed"] == 0 and third["phases"][0]["seconds"] == 0.0
+    assert third["phases"][0]["trajectories_pushed"] == 0 and third["phases"][0]["seconds"] == 0.0
+    # The summary's counts cover every segment of the run, the phases only their own.
+    assert first["trajectories_pushed"] == first["phases"][0]["trajectories_pushed"] > 0
+    assert second["trajectories_pushed"] == first["trajectories_pushed"] + second["phases"][0]["trajectories_pushed"]
+    assert third["trajectories_pushed"] == second["trajectories_pushed"]
 
 
 async def test_train_sync_rolls_out_then_trains(tiny_run, tmp_path):

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from actors.rollout_worker import RolloutWorker
+from infra.budget import run_counts
 from infra import metrics
 from infra.config import ActorsConfig
 from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode
@@ -73,6 +74,9 @@ async def test_worker_pushes_records_writes_back_and_acks(redis_url):
     trajs = await read_trajs(client)
     assert len(trajs) == 12 and w.trajectories_pushed == 12
     assert sorted({t.task_id for t in trajs}) == [f"task{i}" for i in range(4)]
+    # The run-wide counts the summary reports, written in the XADD's transaction (survive a --resume).
+    assert await run_counts(client, PREFIX) == {"trajectories_pushed": 12, "real_steps_pushed": 0,
+                                                "synthetic_steps_pushed": sum(len(t.steps) for t in trajs)}
     stats = await TaskStatsStore(client, PREFIX).all()
     assert all(stats[f"task{i}"].n == 3 and stats[f"task{i}"].groups == 1 for i in range(4))
     if sink is not None:

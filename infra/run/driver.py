@@ -47,7 +47,7 @@ from rich.console import Console
 
 from actors.evaluate import choice_policy_chooser, evaluate
 from actors.policy import ChoicePolicy
-from infra.budget import StepBudget
+from infra.budget import StepBudget, run_counts
 from infra.config import Config, add_config_arguments, config_from_args
 from infra.run import artifacts, report
 from infra.run.monitoring import record_success_gap
@@ -124,7 +124,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         record_success_gap(history.rows[-1].get("success_rate") if history.rows else None, after)
 
         summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
-                                 offline, fidelity)
+                                 offline, fidelity, await run_counts(svc.client, svc.prefix))
         if placement := svc.placements():  # actors.runtime=ray: the node each actor ran on
             summary["placement"] = placement
         return report.write_report(svc.run_dir, summary, history, console)
@@ -183,6 +183,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
                 "synthetic_transitions": 0, "trajectories_pushed": 0, "transition_budget_spent": False,
                 "seconds": 0.0}
     real = StepBudget(svc.client, svc.prefix, cfg.actors.real_transitions) if cfg.actors.env_kind == "real" else None
+    counts0 = await run_counts(svc.client, svc.prefix)
     curriculum.real_only = real is not None
     stop = budget(cfg.infra.train_budget_s)
     with report.training_progress(console, cfg, learner, history, label, until) as record:
@@ -204,11 +205,11 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
     if stop.is_set() and not spent and learner.updates < until:
         console.print(f"[yellow]{label}: train budget of {cfg.infra.train_budget_s:.0f} s spent after "
                       f"{learner.updates} updates[/]")
-    steps = sum(w.get("steps_taken", 0) for w in pool.retired)
+    counts = await run_counts(svc.client, svc.prefix)
     return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": learner.updates - updates0,
             "real_transitions": await real.used() if real is not None else 0,
-            "synthetic_transitions": steps if real is None else 0,
-            "trajectories_pushed": sum(w.get("trajectories_pushed", 0) for w in pool.retired),
+            "synthetic_transitions": counts["synthetic_steps_pushed"] - counts0["synthetic_steps_pushed"],
+            "trajectories_pushed": counts["trajectories_pushed"] - counts0["trajectories_pushed"],
             "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1)}
 
 

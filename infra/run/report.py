@@ -124,9 +124,11 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
 
 
 def summary(cfg: Config, name: str, before: dict | None, after: dict | None, history: RunHistory, learner: Any,
-            phases: list[dict], buffer_size: int, t_start: float, offline: list, fidelity: dict | None) -> dict:
+            phases: list[dict], buffer_size: int, t_start: float, offline: list, fidelity: dict | None,
+            counts: dict[str, int]) -> dict:
     """summary.json: the run's settings that matter, held-out success before and after (with per-task
-    results, for paired comparisons), the RL phases, transitions by kind counted exactly, the history."""
+    results, for paired comparisons), the RL phases, transitions by kind counted exactly, the history.
+    `counts` (infra/budget.run_counts) cover every segment of a resumed run; `phases` only this one's."""
     def brief(r: dict | None) -> dict | None:
         keep = ("success_rate", "successes", "ci_low", "ci_high", "episodes", "mean_steps", "invalid_rate",
                 "seconds", "per_task")
@@ -138,13 +140,13 @@ def summary(cfg: Config, name: str, before: dict | None, after: dict | None, his
         "improved": (after["success_rate"] > before["success_rate"]) if before and after else None,
         "updates": learner.updates if learner else 0, "weight_version": learner.version if learner else 0,
         "trajectories_trained": len(learner.consumed_ids) if learner else 0,
-        "trajectories_pushed": sum(p["trajectories_pushed"] for p in phases),
+        "trajectories_pushed": counts["trajectories_pushed"],
         "trajectories_redelivered": learner.redelivered if learner else 0,  # retrained after a crash
         "trajectories_dead_lettered": learner.dead_lettered if learner else 0,
         "updates_undone": dict(learner.failed_updates) if learner else {},
         "transitions": {"offline_real": sum(len(t.steps) for t in offline),
                         "online_real": sum(p["real_transitions"] for p in phases),
-                        "synthetic": sum(p["synthetic_transitions"] for p in phases)},
+                        "synthetic": counts["synthetic_steps_pushed"]},
         "phases": phases, "mexp_fidelity": fidelity,
         "replay_buffer_size": buffer_size,
         "train_seconds": round(history.seconds, 1), "total_seconds": round(time.time() - t_start, 1),
