@@ -16,7 +16,9 @@ rollout node, the Mexp and policy engines on theirs, the buffer actor on the dri
 (it reopens the store the driver seeded there), the scheduler beside the driver. Nothing
 runs on `learner_gpu`: the learner is still in the driver (issue 15 item 3). A second test
 checks that joining a cluster ships the code (`infra.ray_runtime_env: auto`): an actor
-imports DreamGym from Ray's runtime_env files, not from this checkout.
+imports DreamGym from Ray's runtime_env files, not from this checkout. A third checks that a Ray
+connection this process did not make for the run (Ray's auto-init after `ray.shutdown`) is never
+taken for it: that made the second test order-dependent in the full suite.
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ def cluster(tmp_path_factory):
     c.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def own_ray_connection():
+    """Each test joins the cluster itself and leaves it. A test that fails mid-run (a timed-out `train`
+    whose task is still pending on the session's event loop) stays connected, its job's actors holding
+    the rollout node's CPU; the next test would then reuse that connection (`init_ray` keeps a Ray it
+    is already in) and wait on a node that is full, or, once Ray's API was called after the shutdown,
+    a local Ray that auto-started (now refused by `init_ray` and avoided by `kill_actor`)."""
+    from infra.run.cluster.runtime import shutdown_ray
+
+    shutdown_ray()
+    yield
+    shutdown_ray()
+
+
+@pytest.mark.timeout(1200)  # ~10 min on two shared cores: two phases, five nodes, a real Redis and TextWorld
 async def test_train_places_every_role_on_its_labelled_node(cluster, tiny_run, tmp_path, monkeypatch):
     import ray
 
@@ -111,6 +128,12 @@ def test_joining_a_cluster_ships_the_code_as_a_runtime_env(cluster, mode, tmp_pa
     monkeypatch.chdir(tmp_path)
     init_ray(c.address, runtime_env=mode)
     try:
+        assert ray.get_runtime_context().gcs_address == c.address  # this cluster, joined by this test
+        with pytest.raises(RuntimeError, match="already in the Ray at"):
+            init_ray("127.0.0.1:1", runtime_env=mode)  # never taken for another cluster
+        if mode == "off":  # nor, by a run that ships its code, for a connection made without it
+            with pytest.raises(RuntimeError, match="without DreamGym's code"):
+                init_ray(c.address, runtime_env="auto")
         env = ray.get_runtime_context().runtime_env
         probe = Where.options(**placement_options("rollout", ray.cluster_resources())).remote()
         files = ray.get(probe.files.remote(), timeout=300)
@@ -125,3 +148,35 @@ def test_joining_a_cluster_ships_the_code_as_a_runtime_env(cluster, mode, tmp_pa
     assert len(env["py_modules"]) == 4 and all(u.startswith("gcs://_ray_pkg_") for u in env["py_modules"])  # uploaded
     for name, f in files.items():  # every package from Ray's unpacked copy on that node, none from the checkout
         assert "runtime_resources" in Path(f).parts and not Path(f).resolve().is_relative_to(checkout), (name, f)
+
+
+def test_a_ray_call_after_shutdown_is_never_taken_for_the_run(cluster):
+    """The order dependence the suite showed: a cleanup calling Ray's API after `ray.shutdown` (a
+    cancelled run unwinding late) makes Ray auto-init, which joins this cluster with no runtime_env;
+    the next `init_ray` kept that connection, so an 'auto' run shipped no code. `kill_actor` does not
+    call Ray once it is down, and `init_ray` refuses a connection that lacks the code."""
+    import ray
+
+    from infra.run.cluster.runtime import init_ray, kill_actor, shutdown_ray
+
+    c, _node = cluster
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def ping(self) -> int:
+            return 1
+
+    init_ray(c.address, runtime_env="auto")
+    actor = Idle.remote()
+    assert ray.get(actor.ping.remote(), timeout=120) == 1
+    shutdown_ray()
+    kill_actor(actor)  # the actor went with its job
+    assert not ray.is_initialized()
+    with pytest.raises(Exception):
+        ray.kill(actor)  # what the cleanups used to do: Ray joins the newest cluster by itself ...
+    try:
+        assert ray.is_initialized() and not ray.get_runtime_context().runtime_env.get("py_modules")
+        with pytest.raises(RuntimeError, match="without DreamGym's code"):  # ... and is not taken for the run
+            init_ray(c.address, runtime_env="auto")
+    finally:
+        shutdown_ray()

@@ -46,7 +46,7 @@ from infra.redis_server import EmbeddedRedis, write_job_record
 from infra.run.artifacts import embedding_cache, say
 from infra.run.cluster.engine_actor import start_role_engine, stop_engine_actor
 from infra.run.cluster.rollout_fleet import RolloutFleet
-from infra.run.cluster.runtime import Placements, driver_node_id, init_ray, on_node, placement_options, shutdown_ray
+from infra.run.cluster.runtime import Placements, driver_node_id, init_ray, kill_actor, on_node, placement_options, shutdown_ray
 from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, spawn_scheduler
 from infra.run.monitoring import Monitoring
 from infra.run.workers import WorkerPool, autoscaler, local_spawner, make_env_factory
@@ -178,7 +178,7 @@ class Services:
         actor = spawn_scheduler(self.redis_url, self.prefix, cfg.curriculum, seeds, make_variants, seed=cfg.infra.seed,
                                 options=opts, stream_maxlen=cfg.infra.stream_maxlen,
                                 redis_tls_ca=cfg.infra.redis_tls_ca)
-        self._stack.callback(ray.kill, actor)
+        self._stack.callback(kill_actor, actor)
         self.placement.record("scheduler", actor)
         if self.monitoring.enabled:
             self.monitoring.add("scheduler", "scheduler", ray.get(actor.serve_metrics.remote(self.monitoring.host)))

@@ -33,7 +33,7 @@ from infra.config import Config, SimulatorConfig
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.run.cluster.buffer_actor import BufferActor, BufferClient
-from infra.run.cluster.runtime import driver_node_id, init_ray, on_node, placement_options, shutdown_ray
+from infra.run.cluster.runtime import driver_node_id, init_ray, kill_actor, on_node, placement_options, shutdown_ray
 from infra.run.cluster.worker_actor import RayWorkerHandle
 from infra.run.workers import make_env_factory, make_policy, write_back_sink
 from simulator.experience_model import ExperienceModel
@@ -142,12 +142,12 @@ class RolloutFleet:
 
     def close(self) -> None:
         """Flush and close the buffer (so the store reopens cleanly), then stop Ray if this fleet started it."""
-        if self.buffer_actor is not None:
+        if self.buffer_actor is not None and ray.is_initialized():  # else it went with the job (see kill_actor)
             try:
                 ray.get(self.buffer_actor.close.remote(), timeout=60)
             except Exception as exc:  # a dead actor already let go of the store
                 log.warning("closing the buffer actor: %s", exc)
-            ray.kill(self.buffer_actor)
-            self.buffer_actor = None
+            kill_actor(self.buffer_actor)
+        self.buffer_actor = None
         if self.started_ray:
             shutdown_ray()

@@ -80,16 +80,26 @@ def init_ray(address: str = "", num_cpus: int | None = None, memory_bytes: int =
 
     `runtime_env` is `infra.ray_runtime_env`: joining a cluster with 'auto', the job ships the
     driver's packages to every node (`code_runtime_env`). A Ray this process already joined is
-    kept as it is, runtime_env included."""
+    kept as it is, runtime_env included, but only if it is the cluster `address` names and, with
+    'auto', carries the code: a connection made by something else (Ray's own auto-init when its API
+    is called after `ray.shutdown` joins the newest cluster on this machine with no runtime_env) is
+    refused, never silently used in its place."""
     if auth_mode is not None:
         current = os.environ.get("RAY_AUTH_MODE")
         if current is not None and current != auth_mode:
             raise RuntimeError(f"RAY_AUTH_MODE={current!r} but auth_mode={auth_mode!r}: every node must agree")
         os.environ["RAY_AUTH_MODE"] = auth_mode
+    address = address or os.environ.get("RAY_ADDRESS", "")
     if ray.is_initialized():
+        joined = ray.get_runtime_context().gcs_address
+        if address and address != "auto" and "://" not in address and address != joined:
+            raise RuntimeError(f"this process is already in the Ray at {joined}, not {address}: "
+                               "shut that one down (ray.shutdown) before joining another")
+        if address and code_runtime_env(runtime_env) and not ray.get_runtime_context().runtime_env.get("py_modules"):
+            raise RuntimeError(f"this process is already in the Ray at {joined} without DreamGym's code as a runtime_env "
+                               "(infra.ray_runtime_env=auto): shut it down (ray.shutdown) and let init_ray join")
         return ray.cluster_resources()
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": False, "include_dashboard": False}
-    address = address or os.environ.get("RAY_ADDRESS", "")
     if address:
         env = code_runtime_env(runtime_env, joining=True)
         if env is not None:
@@ -108,6 +118,15 @@ def init_ray(address: str = "", num_cpus: int | None = None, memory_bytes: int =
 def shutdown_ray() -> None:
     if ray.is_initialized():
         ray.shutdown()
+
+
+def kill_actor(handle: Any, no_restart: bool = True) -> None:
+    """`ray.kill`, unless Ray is already down (the actor went with its job). A cleanup that runs after
+    `ray.shutdown` (a cancelled run unwinding late) must not call Ray's API: Ray then inits itself,
+    joining the newest cluster on this machine (or starting a local one) with no runtime_env, and
+    the old handle is not valid there (ActorHandleNotFoundError)."""
+    if ray.is_initialized():
+        ray.kill(handle, no_restart=no_restart)
 
 
 def placement_options(role: str, cluster_resources: dict[str, float] | None = None,
