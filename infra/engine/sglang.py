@@ -52,6 +52,7 @@ def build_command(cfg, model_path: str | None = None, port: int | None = None, h
            "--mem-fraction-static", str(cfg.sglang_mem_fraction), "--dtype", _sglang_dtype(cfg.dtype)]
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
+    cmd.append("--enable-metrics")  # /metrics on the same port, scraped like the embedded engine's
     cmd += [str(a) for a in cfg.sglang_extra_args]
     return cmd
 

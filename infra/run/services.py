@@ -42,9 +42,10 @@ from infra.config import Config, dump
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.engine.server import default_weights_roots, start_embedded_engine
+from infra.engine.sglang import SGLangLauncher
 from infra.redis_server import EmbeddedRedis, write_job_record
 from infra.run.artifacts import embedding_cache, say
-from infra.run.cluster.engine_actor import start_role_engine, stop_engine_actor
+from infra.run.cluster.engine_actor import start_role_engine, start_sglang_engine, stop_engine_actor
 from infra.run.cluster.rollout_fleet import RolloutFleet
 from infra.run.cluster.runtime import Placements, driver_node_id, init_ray, kill_actor, on_node, placement_options, shutdown_ray
 from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, spawn_scheduler
@@ -146,6 +147,8 @@ class Services:
         async def endpoints(configured: list, model: str, role: str) -> list[str]:
             if configured:
                 return list(configured)
+            if e.launch == "sglang":
+                return [await self._launch_sglang(role, model)]
             roots = default_weights_roots(model, self.cfg.infra.run_dir, e.weights_root)
             if self.cfg.actors.runtime == "ray":  # an engine actor on the role's labelled node
                 local = os.path.abspath(model) if os.path.isdir(model) else model  # the actor's cwd is its node's
@@ -168,6 +171,26 @@ class Services:
         self.policy = EngineClient.from_config(e, await endpoints(e.policy_endpoints, policy_model, "policy"), role="policy")
         self._stack.push_async_callback(self.policy.close)
         self.tokenizer = load_tokenizer(e.model)
+
+    async def _launch_sglang(self, role: str, model: str) -> str:
+        """SGLang's launch_server for `role` on port engines.sglang_port (+1 for the policy), healthy before
+        this returns and supervised (restarted if it dies) until the run ends: an actor on the role's labelled
+        node with `actors.runtime=ray`, else a child process of the driver logging to <run_dir>/sglang-<role>.log."""
+        e = self.cfg.engines
+        port = e.sglang_port + (1 if role == "policy" else 0)
+        local = os.path.abspath(model) if os.path.isdir(model) else model
+        if self.cfg.actors.runtime == "ray":
+            actor, url = await asyncio.to_thread(start_sglang_engine, e, role, local, port, self.ray_resources())
+            self._stack.callback(stop_engine_actor, actor)
+            self.placement.record(f"{role}_engine", actor)
+        else:
+            launcher = SGLangLauncher(e, local, port, log_path=str(self.run_dir / f"sglang-{role}.log"))
+            url = await asyncio.to_thread(launcher.start)
+            self._stack.callback(launcher.stop)
+        say(self.console, f"SGLang serves {role} ({model}) at {url}")
+        self.monitoring.add_url("engine", role, url)
+        self._stack.callback(self.monitoring.remove, "engine", role)
+        return url
 
     def curriculum_actor(self, seeds: list, variants: bool) -> CurriculumHandle:
         """The curriculum scheduler as an actor beside the driver (preferred, not required), on the run's

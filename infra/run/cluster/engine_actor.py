@@ -1,8 +1,8 @@
 """Inference engines as Ray actors: an SGLang server on a labelled GPU node, or the embedded engine.
 
 Thin wrappers only. `SGLangEngineActor` runs `infra.engine.sglang.SGLangLauncher`
-(start, wait for /health, restart on death) on the node that advertises the
-configured resource label; `EmbeddedEngineActor` runs `start_embedded_engine` on the
+(start, wait for /health, restart on death) on the node that advertises its role's
+label (`dreamgym train` with `engines.launch: sglang` and `actors.runtime: ray`); `EmbeddedEngineActor` runs `start_embedded_engine` on the
 actor's own event loop. Both answer `url()`, which is what `EngineClient` needs:
 the engines are reached over HTTP, never through Ray calls, so the same client code
 works with engines started by hand. Both bind `engines.host` (loopback unless set,
@@ -82,19 +82,17 @@ class EmbeddedEngineActor:
             self.handle = None
 
 
-def sglang_actor_options(cfg: EngineConfig, cluster_resources: dict[str, float] | None = None) -> dict[str, Any]:
-    """Placement for an SGLang actor: the configured node label (when the cluster has it) and tp_size GPUs."""
-    opts: dict[str, Any] = {"num_gpus": cfg.sglang_tp_size, "num_cpus": 1}
-    label = cfg.sglang_resource
-    if label and (cluster_resources is None or cluster_resources.get(label, 0) > 0):
-        opts["resources"] = {label: 1}
-    return opts
+def sglang_actor_options(cfg: EngineConfig, role: str, cluster_resources: dict[str, float] | None = None) -> dict[str, Any]:
+    """Placement for the SGLang server of `role`: the role's node label (`mexp_gpu`, `policy_gpu`) when
+    the cluster has it, and `engines.sglang_tp_size` GPUs."""
+    return {**placement_options(role, cluster_resources, num_cpus=1), "num_gpus": cfg.sglang_tp_size}
 
 
-def start_sglang_engine(cfg: EngineConfig, model_path: str | None = None, port: int | None = None,
+def start_sglang_engine(cfg: EngineConfig, role: str, model_path: str | None = None, port: int | None = None,
                         cluster_resources: dict[str, float] | None = None) -> tuple[Any, str]:
-    """Place an SGLangEngineActor by label, start its server; returns (actor, url)."""
-    actor = SGLangEngineActor.options(**sglang_actor_options(cfg, cluster_resources)).remote(asdict(cfg), model_path, port)
+    """Place the SGLangEngineActor of `role` by label, start its server (supervised); returns (actor, url)."""
+    opts = sglang_actor_options(cfg, role, cluster_resources)
+    actor = SGLangEngineActor.options(**opts).remote(asdict(cfg), model_path, port)
     return actor, ray.get(actor.start.remote())
 
 
