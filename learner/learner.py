@@ -55,7 +55,9 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from infra import metrics
-from infra.config import LearnerConfig
+from infra.config import Config, LearnerConfig
+from infra.schema import Trajectory, decode_as
+from infra.streams import LEARNER_GROUP, StreamConsumer, trajectories_stream
 from learner import checkpoint as ckpt
 from learner.batching import GroupBatcher
 from learner.guard import NonFiniteUpdate, WeightGuard
@@ -64,6 +66,7 @@ from learner.policy_model import PolicyModel
 from learner.precision import Precision
 from learner.staleness import StalenessFilter
 from learner.update import UpdateStats, apply_update
+from learner.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,11 @@ class Learner:
     def consumed_ids(self) -> list[str]:
         """Trajectory ids used by updates, in order."""
         return self.batches.consumed_ids
+
+    @property
+    def trained(self) -> int:
+        """Trajectories used by updates so far."""
+        return len(self.batches.consumed_ids)
 
     @property
     def discarded(self) -> dict[str, int]:
@@ -218,23 +226,9 @@ class Learner:
         """Update until `total_updates` (absolute, so a resumed run finishes the same budget) or `stop`.
 
         `before_step` is awaited before every read (the synchronous schedule pushes tasks there)."""
-        total = total_updates if total_updates is not None else self.cfg.total_updates
         await self.consumer.ensure_group()
-        out = []
-        while self.updates < total and not (stop is not None and stop.is_set()):
-            if before_step is not None:
-                await before_step()
-            s = await self.step()
-            if s is None:
-                continue
-            out.append(s)
-            log.info("update %d: loss %.4f reward %.3f clip %.3f (%d traj, %.1fs)", s.version, s.loss,
-                     s.mean_reward, s.clip_fraction, s.trajectories, s.seconds)
-            if on_update is not None:
-                r = on_update(s)
-                if inspect.isawaitable(r):
-                    await r
-        return out
+        return await run_updates(self, total_updates if total_updates is not None else self.cfg.total_updates,
+                                 on_update, stop, before_step)
 
     async def publish(self) -> None:
         """Publish the current weights now (after a warm start or a resume)."""
@@ -276,3 +270,36 @@ class Learner:
                 set_(self.extra[name])
         log.info("resumed from %s at version %d", path, self.version)
         return True
+
+
+async def run_updates(learner: Any, total: int, on_update: Callable[[UpdateStats], Awaitable[None] | None] | None = None,
+                      stop: asyncio.Event | None = None,
+                      before_step: Callable[[], Awaitable[None]] | None = None) -> list[UpdateStats]:
+    """The update loop of `learner` (a Learner, or the driver's handle on a learner actor: anything with
+    `updates` and `async step()`): step until `total` updates or `stop`, awaiting `before_step` before each read."""
+    out = []
+    while learner.updates < total and not (stop is not None and stop.is_set()):
+        if before_step is not None:
+            await before_step()
+        s = await learner.step()
+        if s is None:
+            continue
+        out.append(s)
+        log.info("update %d: loss %.4f reward %.3f clip %.3f (%d traj, %.1fs)", s.version, s.loss,
+                 s.mean_reward, s.clip_fraction, s.trajectories, s.seconds)
+        if on_update is not None:
+            r = on_update(s)
+            if inspect.isawaitable(r):
+                await r
+    return out
+
+
+def stream_learner(cfg: Config, client: Any, prefix: str, run_dir: str | Path, policy_engines: Any,
+                   policy_model: str) -> Learner:
+    """The run's learner: GRPO/PPO on the trajectory stream of `prefix` (consumer `learner-0` of the
+    learner group, so a restarted learner reads back its own pending entries), publishing to `policy_engines`."""
+    consumer = StreamConsumer(client, trajectories_stream(prefix), LEARNER_GROUP, "learner-0",
+                              lambda b: decode_as(b, Trajectory), reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
+                              max_deliveries=cfg.infra.max_deliveries)
+    publisher = WeightPublisher(run_dir, policy_engines, keep=cfg.learner.keep_weights)
+    return Learner(cfg.learner, policy_model, run_dir, consumer, publisher, group_size=cfg.actors.group_size)

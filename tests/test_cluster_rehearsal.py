@@ -13,8 +13,9 @@ also check that the scheduler actor feeds a second phase after it was stopped on
 Checks where each actor ran, from summary.json's `placement` (each actor's own
 `ray.get_runtime_context()`) against the node ids the cluster gave: rollout workers on the
 rollout node, the Mexp and policy engines on theirs, the buffer actor on the driver's node
-(it reopens the store the driver seeded there), the scheduler beside the driver. Nothing
-runs on `learner_gpu`: the learner is still in the driver (issue 15 item 3). A second test
+(it reopens the store the driver seeded there), the scheduler beside the driver, and the
+learner on `learner_gpu` (issue 15 item 3), which reads the trajectory stream and writes the
+run's checkpoint (the curriculum's state included) from there. A second test
 checks that joining a cluster ships the code (`infra.ray_runtime_env: auto`): an actor
 imports DreamGym from Ray's runtime_env files, not from this checkout. A third checks that a Ray
 connection this process did not make for the run (Ray's auto-init after `ray.shutdown`) is never
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from infra.config import load_config
+from learner import checkpoint as ckpt
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -72,9 +74,10 @@ def own_ray_connection():
     shutdown_ray()
 
 
-@pytest.mark.timeout(1200)  # ~10 min on two shared cores: two phases, five nodes, a real Redis and TextWorld
+@pytest.mark.timeout(1500)  # ~10 min on two shared cores: two phases, five nodes, a real Redis and TextWorld
 async def test_train_places_every_role_on_its_labelled_node(cluster, tiny_run, tmp_path, monkeypatch):
     import ray
+    import torch
 
     from infra.run.driver import train
 
@@ -83,7 +86,10 @@ async def test_train_places_every_role_on_its_labelled_node(cluster, tiny_run, t
     cfg = load_config(None, [*tiny_run, "actors.runtime=ray", f"infra.ray_address={c.address}",
                              "actors.env_kind=synthetic", "simulator.max_steps=2", "learner.total_updates=1",
                              "learner.s2r_real_transitions=4", "learner.s2r_max_updates=1",
-                             "infra.train_budget_s=90", "learner.checkpoint_every=1"])
+                             # each phase's guard: the DreamGym phase always runs it out (the random Mexp's
+                             # output is rejected); at 90 s a loaded machine (load 5) ended the real phase
+                             # before its new worker actor had played a step
+                             "infra.train_budget_s=240", "learner.checkpoint_every=1"])
     summary = await train(cfg, "rehearsal", evaluate=False)
     assert not ray.is_initialized()  # train joined the cluster itself, and left it
     dream, real = summary["phases"]
@@ -99,8 +105,13 @@ async def test_train_places_every_role_on_its_labelled_node(cluster, tiny_run, t
     assert actors["policy_engine"] == [node["policy"]]
     assert actors["buffer"] == [node["head"]]
     assert actors["scheduler"] == [node["head"]]
-    assert set(actors) == {"rollout_worker", "mexp_engine", "policy_engine", "buffer", "scheduler"}
-    assert node["learner"] not in {n for ids in actors.values() for n in ids}  # the learner runs in the driver
+    assert actors["learner"] == [node["learner"]]
+    assert set(actors) == {"rollout_worker", "mexp_engine", "policy_engine", "buffer", "scheduler", "learner"}
+    # the learner actor read the stream (the real phase's one group had no reward variance: no update)
+    # and wrote the run's final checkpoint from its node, with the curriculum's state the driver registered
+    assert summary["updates"] == 0 and real["trajectories_pushed"] >= 1
+    saved = torch.load(ckpt.latest(tmp_path / "runs" / "rehearsal") / ckpt.STATE_FILE, weights_only=False)
+    assert saved["train_state"]["extra"]["curriculum"]["pool"]
     assert placed["nodes"][node["rollout"]] == ["rollout_cpu"] and placed["nodes"][node["head"]] == []
 
 

@@ -29,8 +29,8 @@ the engines, the buffer and the workers are owned by one context manager
 (infra/run/services.py). Redis is embedded unless `infra.redis_url` is set;
 `dreamgym scale --workers N` resizes the worker pool live; rollout workers run on
 this process's event loop, or as Ray actors with `actors.runtime=ray`, which also makes
-the embedded engines, the curriculum scheduler and the buffer Ray actors placed by role
-(the learner stays in this process); summary.json then says where each ran (`placement`).
+the learner, the embedded engines, the curriculum scheduler and the buffer Ray actors
+placed by role; summary.json then says where each ran (`placement`).
 """
 
 from __future__ import annotations
@@ -50,15 +50,14 @@ from actors.policy import ChoicePolicy
 from infra.budget import StepBudget, run_counts
 from infra.config import Config, add_config_arguments, config_from_args
 from infra.run import artifacts, report
+from infra.run.cluster.learner_actor import LearnerHandle
 from infra.run.monitoring import record_success_gap
 from infra.run.services import Services
 from infra.run.workers import WorkerPool
-from infra.schema import Trajectory, decode_as, encode
-from infra.streams import (LEARNER_GROUP, StreamConsumer, StreamProducer, stream_backlog, tasks_stream,
-                           trajectories_stream)
-from learner.learner import Learner
+from infra.schema import encode
+from infra.streams import LEARNER_GROUP, StreamProducer, stream_backlog, tasks_stream, trajectories_stream
+from learner.learner import Learner, stream_learner
 from learner.precision import Precision
-from learner.weights import WeightPublisher
 from simulator.curriculum import CurriculumScheduler
 from simulator.embedder import Embedder
 from simulator.fidelity import FidelityProbe, export_fidelity, replay_heldout
@@ -288,7 +287,7 @@ async def make_trainer(cfg: Config, svc: Services, policy_model: str, seeds: lis
                        resume: bool) -> tuple[Learner, CurriculumScheduler]:
     """The learner and the curriculum that feeds its workers, restored from the latest checkpoint on --resume
     (and the restored weights published: the "before" evaluation measures what is served)."""
-    learner = make_learner(cfg, svc, policy_model)
+    learner = await make_learner(cfg, svc, policy_model)
     curriculum = make_curriculum(cfg, svc, seeds)
     # The curriculum's pool, statistics and RNG are saved with every learner checkpoint.
     learner.register_state("curriculum", curriculum.state_dict, lambda _state: None)
@@ -299,13 +298,12 @@ async def make_trainer(cfg: Config, svc: Services, policy_model: str, seeds: lis
     return learner, curriculum
 
 
-def make_learner(cfg: Config, svc: Services, policy_model: str) -> Learner:
-    """The GRPO/PPO learner on the run's trajectory stream, publishing to the policy engines."""
-    consumer = StreamConsumer(svc.client, trajectories_stream(svc.prefix), LEARNER_GROUP, "learner-0",
-                              lambda b: decode_as(b, Trajectory), reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
-                              max_deliveries=cfg.infra.max_deliveries)
-    publisher = WeightPublisher(svc.run_dir, svc.policy, keep=cfg.learner.keep_weights)
-    return Learner(cfg.learner, policy_model, svc.run_dir, consumer, publisher, group_size=cfg.actors.group_size)
+async def make_learner(cfg: Config, svc: Services, policy_model: str) -> Learner | LearnerHandle:
+    """The GRPO/PPO learner on the run's trajectory stream, publishing to the policy engines: in this
+    process, or with `actors.runtime=ray` an actor on the `learner_gpu` node (the same methods)."""
+    if cfg.actors.runtime == "ray":
+        return await svc.learner_actor(policy_model)
+    return stream_learner(cfg, svc.client, svc.prefix, svc.run_dir, svc.policy, policy_model)
 
 
 def make_curriculum(cfg: Config, svc: Services, seeds: list) -> CurriculumScheduler:

@@ -111,7 +111,7 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
     def on_update(s: Any) -> None:
         history.record(phase=where, version=s.version, loss=s.loss, kl=s.kl, mean_reward=s.mean_reward,
                        success_rate=s.success_rate, staleness=s.mean_staleness,
-                       traj_per_s=len(learner.consumed_ids) / max(1e-9, time.time() - history.started),
+                       traj_per_s=learner.trained / max(1e-9, time.time() - history.started),
                        discarded=s.discarded, tokens=s.tokens, update_s=round(s.seconds, 2))
         bar.update(task, completed=s.version, info=f"loss {s.loss:.3f} reward {s.mean_reward:.2f} "
                                                     f"success {s.success_rate:.2f} stale {s.mean_staleness:.1f}")
@@ -139,7 +139,7 @@ def summary(cfg: Config, name: str, before: dict | None, after: dict | None, his
         "heldout_before": brief(before), "heldout_after": brief(after),
         "improved": (after["success_rate"] > before["success_rate"]) if before and after else None,
         "updates": learner.updates if learner else 0, "weight_version": learner.version if learner else 0,
-        "trajectories_trained": len(learner.consumed_ids) if learner else 0,
+        "trajectories_trained": learner.trained if learner else 0,
         "trajectories_pushed": counts["trajectories_pushed"],
         "trajectories_redelivered": learner.redelivered if learner else 0,  # retrained after a crash
         "trajectories_dead_lettered": learner.dead_lettered if learner else 0,

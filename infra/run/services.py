@@ -10,8 +10,9 @@ diagram: `open_buffer` (the replay buffer, seeded with the offline data or reope
 as a resumed run left it), `start_engines` (embedded engines for Mexp and the policy
 unless endpoints are configured; clients for both) and `workers` (the rollout-worker
 pool: on this event loop, or Ray actors with `actors.runtime=ray`). With `actors.runtime=ray`
-the run joins (or starts) Ray once (`ray_resources`) and every role but the learner is an
-actor placed by its label: the embedded engines on `mexp_gpu`/`policy_gpu` nodes, the
+the run joins (or starts) Ray once (`ray_resources`) and every role is an actor placed by
+its label: the learner on the `learner_gpu` node (`learner_actor`), the embedded or SGLang
+engines on `mexp_gpu`/`policy_gpu` nodes, the
 curriculum scheduler beside the driver (`curriculum_actor`), the buffer actor on the
 driver's node (it reopens the store the driver seeded), the workers on `rollout_cpu`;
 `placements()` says where each ran. Each registers its
@@ -46,6 +47,7 @@ from infra.engine.sglang import SGLangLauncher
 from infra.redis_server import EmbeddedRedis, write_job_record
 from infra.run.artifacts import embedding_cache, say
 from infra.run.cluster.engine_actor import start_role_engine, start_sglang_engine, stop_engine_actor
+from infra.run.cluster.learner_actor import LearnerHandle, spawn_learner
 from infra.run.cluster.rollout_fleet import RolloutFleet
 from infra.run.cluster.runtime import Placements, driver_node_id, init_ray, kill_actor, on_node, placement_options, shutdown_ray
 from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, spawn_scheduler
@@ -191,6 +193,21 @@ class Services:
         self.monitoring.add_url("engine", role, url)
         self._stack.callback(self.monitoring.remove, "engine", role)
         return url
+
+    async def learner_actor(self, policy_model: str) -> LearnerHandle:
+        """The learner as an actor on the `learner_gpu` node (one GPU with `learner.device` on CUDA; the label
+        is its reservation, so it asks for no CPU share), on the run's Redis and policy engines."""
+        opts = placement_options("learner", self.ray_resources(), num_cpus=0)
+        if self.cfg.learner.device.startswith("cuda"):
+            opts["num_gpus"] = 1
+        actor = spawn_learner(self.cfg, policy_model, self.run_dir, self.redis_url, self.prefix, self.policy.urls, opts)
+        self._stack.callback(kill_actor, actor)
+        self.placement.record("learner", actor)
+        handle = await LearnerHandle.start(actor)
+        if self.monitoring.enabled:
+            self.monitoring.add("learner", "learner", await actor.serve_metrics.remote(self.monitoring.host))
+            self._stack.callback(self.monitoring.remove, "learner", "learner")
+        return handle
 
     def curriculum_actor(self, seeds: list, variants: bool) -> CurriculumHandle:
         """The curriculum scheduler as an actor beside the driver (preferred, not required), on the run's
