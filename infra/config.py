@@ -245,6 +245,7 @@ class LearnerConfig:
     value_coef: float = _f(0.5, "PPO value-loss weight.", NON_NEGATIVE)
     groups_per_update: int = _f(4, "GRPO groups (or PPO trajectories / group_size) per gradient update.", POSITIVE)
     epochs_per_batch: int = _f(1, "Passes over each batch.", POSITIVE)
+    minibatches: int = _f(1, "Optimizer steps per pass: the batch is split into this many mini-batches of whole units (GRPO groups, PPO trajectories), each one clipped step, as PPO's mini-batches and verl's ppo_mini_batch_size; old log-probs and advantages are fixed before the first. More steps for the same rollouts and the same compute (AdamW moves each weight by about lr per step).", POSITIVE)
     max_staleness: int = _f(2, "Most weight versions a trajectory may lag the learner.", NON_NEGATIVE)
     staleness_mode: str = _f("drop", "What to do with a too-stale trajectory.", _one_of("drop", "importance"))
     total_updates: int = _f(10, "Gradient updates in a run (0 = no RL: only evaluate the starting policy, as the base and SFT regimes do).", NON_NEGATIVE)

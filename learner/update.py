@@ -8,10 +8,13 @@ filtered, and nothing about streams, acks, versions or checkpoints:
    trajectory, with its truncated IS weight, learner/staleness.py) and the advantage
    (the trajectory's group-relative advantage for GRPO, learner/advantages.py; GAE over
    the value head's estimates for PPO);
-2. for each of `epochs_per_batch` epochs: forward/backward over micro-batches of at
-   most `micro_batch` steps (whole trajectories, never split), each loss scaled by its
-   share of the batch so the accumulated gradient equals the unchunked one
-   (tests/test_update.py checks it to 1e-6), then clipping and one optimizer step;
+2. for each of `epochs_per_batch` epochs and each of its `minibatches` mini-batches
+   (whole units, `minibatch_bounds`; the fixed inputs of step 1 are not recomputed
+   between them, so later mini-batches see ratios away from 1 and the clip works as
+   in PPO): forward/backward over micro-batches of at most `micro_batch` steps (whole
+   trajectories, never split), each loss scaled by its share of the mini-batch so the
+   accumulated gradient equals the unchunked one (tests/test_update.py checks it to
+   1e-6), then clipping and one optimizer step;
    a non-finite loss or gradient raises before the step, non-finite weights after
    the last one (learner/guard.py: the learner undoes the update).
    A multi-turn trajectory is one packed sequence, one forward (learner/policy_model.py).
@@ -111,6 +114,20 @@ def chunks_of(rows: Sequence[Row], micro_batch: int) -> list[list[int]]:
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def minibatch_bounds(units: Sequence[Unit], n: int) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of `n` mini-batches of whole units, as equal in units as can be
+    (fewer when there are fewer units); rows are in `rows_of` order."""
+    n = max(1, min(n, len(units)))
+    sizes = [len(u.trajs) for u in units]
+    bounds, row, k = [], 0, 0
+    for i in range(n):
+        take = len(units) // n + (1 if i < len(units) % n else 0)
+        end = row + sum(sizes[k:k + take])
+        bounds.append((row, end))
+        row, k = end, k + take
+    return bounds
 
 
 def choice_args(steps: Sequence[Step]) -> tuple[list[str], list, list]:
@@ -233,21 +250,25 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConf
                  version: int) -> UpdateStats:
     """Train `policy` on `units` (the learner is at weight `version`); the stats of this update."""
     rows = rows_of(units)
-    chunks = chunks_of(rows, cfg.micro_batch)
     policy.train()
-    fixed = fixed_inputs(policy, cfg, rows, chunks)
+    fixed = fixed_inputs(policy, cfg, rows, chunks_of(rows, cfg.micro_batch))
     sums = dict.fromkeys(("loss", "pl", "kl", "vl", "clip"), 0.0)
     params = policy.trainable_parameters()
     tokens = 0
+    bounds = [(a, b) for a, b in minibatch_bounds(units, cfg.minibatches) if any(r.steps for r in rows[a:b])]
+    steps = cfg.epochs_per_batch * len(bounds)
     for _ in range(cfg.epochs_per_batch):
-        optimizer.zero_grad(set_to_none=True)
-        epoch = accumulate_gradients(policy, cfg, rows, chunks, fixed)
-        tokens += int(epoch.pop("tokens", 0))
-        check_loss(epoch["loss"])  # before the step: a NaN never reaches the weights (learner/guard.py)
-        check_gradient(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-        for k, v in epoch.items():
-            sums[k] += v / cfg.epochs_per_batch
-        optimizer.step()
+        for a, b in bounds:
+            part = rows[a:b]
+            optimizer.zero_grad(set_to_none=True)
+            out = accumulate_gradients(policy, cfg, part, chunks_of(part, cfg.micro_batch),
+                                       FixedInputs(fixed.old[a:b], fixed.isw[a:b], fixed.adv[a:b]))
+            tokens += int(out.pop("tokens", 0))
+            check_loss(out["loss"])  # before the step: a NaN never reaches the weights (learner/guard.py)
+            check_gradient(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+            for k, v in out.items():
+                sums[k] += v / steps
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     check_weights(params)
     trajs = [r.traj for r in rows]

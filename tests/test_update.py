@@ -22,7 +22,8 @@ from infra.engine.models import load_tokenizer
 from infra.schema import Status, Step, Task, Trajectory
 from learner.advantages import group_advantages
 from learner.policy_model import PolicyModel
-from learner.update import Unit, accumulate_gradients, chunks_of, fixed_inputs, rows_of
+from learner.update import (FixedInputs, Unit, accumulate_gradients, apply_update, chunks_of, fixed_inputs,
+                            minibatch_bounds, rows_of)
 
 ROOMS = ["Kitchen", "Hall", "Study"]
 CANDS = ["go north", "take key", "open chest", "look"]
@@ -88,3 +89,50 @@ def test_a_chunked_update_has_the_gradients_of_the_unchunked_one(tiny, algo, agg
     assert max(float(g.abs().max()) for g in whole.values()) > 1e-4  # a real gradient, not zeros
     for name, g in whole.items():
         torch.testing.assert_close(chunked[name], g, rtol=0, atol=1e-6, msg=name)
+
+
+def test_minibatches_split_the_batch_by_whole_units():
+    class U:  # only the unit sizes matter
+        def __init__(self, n):
+            self.trajs = [None] * n
+    assert minibatch_bounds([U(4), U(4), U(4), U(4)], 2) == [(0, 8), (8, 16)]
+    assert minibatch_bounds([U(3), U(2), U(4)], 2) == [(0, 5), (5, 9)]
+    assert minibatch_bounds([U(4), U(4)], 5) == [(0, 4), (4, 8)]  # never more mini-batches than units
+    assert minibatch_bounds([U(4)], 1) == [(0, 4)]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_minibatches_step_on_inputs_fixed_before_the_first(tiny, algo):
+    """`learner.minibatches=2` takes one clipped AdamW step per group, with the old log-probs and
+    advantages computed once on the starting weights: the same weights as a slow loop that does so."""
+    model, tok = tiny
+    batch = units(tok, algo)
+    cfg = LearnerConfig(algo=algo, minibatches=2, lr=1e-2, staleness_mode="importance", micro_batch=2)
+
+    def fresh():
+        policy = PolicyModel(model=copy.deepcopy(model), tokenizer=tok, value_head=algo == "ppo")
+        return policy, torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.lr)
+
+    policy, opt = fresh()
+    apply_update(policy, opt, cfg, batch, version=0)
+    assert {int(s["step"]) for s in opt.state.values()} == {2}  # two optimizer steps
+
+    ref, ref_opt = fresh()
+    ref.train()
+    rows = rows_of(batch)
+    fixed = fixed_inputs(ref, cfg, rows, chunks_of(rows, cfg.micro_batch))  # once, before any step
+    n0 = len(batch[0].trajs)
+    for a, b in [(0, n0), (n0, len(rows))]:
+        ref_opt.zero_grad()
+        part = rows[a:b]
+        accumulate_gradients(ref, cfg, part, chunks_of(part, cfg.micro_batch),
+                             FixedInputs(fixed.old[a:b], fixed.isw[a:b], fixed.adv[a:b]))
+        torch.nn.utils.clip_grad_norm_(ref.trainable_parameters(), cfg.max_grad_norm)
+        ref_opt.step()
+    got, want = dict(policy.named_parameters()), dict(ref.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        torch.testing.assert_close(p, want[name], rtol=0, atol=1e-6, msg=name)
+    start = dict(model.named_parameters())
+    moved = max(float((p.detach() - start[n.split(".", 1)[1]].detach()).abs().max()) for n, p in got.items() if n.startswith("lm."))
+    assert moved > 1e-3  # the steps really moved the weights
