@@ -269,6 +269,7 @@ class LearnerConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% slower); the policy warm start too.")
     device: str = _f("cpu", "Torch device of the learner's policy, its reference and the policy warm start: 'cpu', 'cuda' or 'cuda:N'. Checked when `dreamgym train` starts: a device this machine lacks is an error naming this key.", DEVICE)
     dtype: str = _f("float32", "Learner and policy warm-start compute precision. 'bfloat16' is mixed precision: parameters, gradients and AdamW state stay fp32 (master weights), forward/backward run under torch.autocast(bfloat16) (learner/precision.py); published weights and checkpoints stay fp32.", _one_of("float32", "bfloat16"))
+    num_gpus: int = _f(1, "Learner ranks on this node's GPUs, from learner.device on (learner.device=cuda:1 with 2: cuda:1 and cuda:2), the policy sharded over them with PyTorch FSDP2 and each update's micro-batches shared among them (learner/fsdp.py); full fine-tuning only (learner.lora_rank=0). On the CPU the ranks are processes joined by gloo (for tests). Checked when `dreamgym train` starts.", POSITIVE)
     keep_checkpoints: int = _f(2, "Checkpoints kept on disk.", POSITIVE)
     keep_weights: int = _f(2, "Published weight versions kept on disk.", POSITIVE)
     s2r_real_transitions: int = _f(0, "Sim-to-real: after training in DreamGym, continue the same learner in the real environment for exactly this many real transitions (0 = no real phase).", NON_NEGATIVE)

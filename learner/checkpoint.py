@@ -10,7 +10,9 @@ atomic: a temporary directory renamed into place, so a crash mid-save leaves the
 previous checkpoint as `latest`. Only the last `keep` checkpoints stay.
 
 torch.save/torch.load are used on local files the learner itself wrote; nothing
-here crosses a process boundary (that is msgpack's job, infra/schema.py).
+here crosses a process boundary (that is msgpack's job, infra/schema.py). With FSDP
+ranks (learner/fsdp.py) rank 0 writes the gathered full state in this same format, and
+every rank reads the file back on resume, so a checkpoint resumes with any `learner.num_gpus`.
 """
 
 from __future__ import annotations
@@ -82,8 +84,10 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save(run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-         state: TrainState, keep: int = 2) -> Path:
-    """Write checkpoint `step_<updates>` atomically and prune old ones; returns its directory."""
+         state: TrainState, keep: int = 2, tensors: tuple[dict, dict | None] | None = None) -> Path:
+    """Write checkpoint `step_<updates>` atomically and prune old ones; returns its directory.
+    `tensors`: (trainable weights, optimizer state dict) already gathered, instead of `model`'s and
+    `optimizer`'s (the FSDP ranks' full state, learner/fsdp.py)."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.updates:06d}"
@@ -91,8 +95,8 @@ def save(run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     payload = {
-        "model": trainable_state_dict(model),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "model": tensors[0] if tensors is not None else trainable_state_dict(model),
+        "optimizer": tensors[1] if tensors is not None else optimizer.state_dict() if optimizer is not None else None,
         "rng": rng_state(),
         "train_state": {"weight_version": state.weight_version, "updates": state.updates,
                         "last_entry_id": state.last_entry_id, "consumed_ids": list(state.consumed_ids),
@@ -107,16 +111,27 @@ def save(run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     return final
 
 
-def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         restore_rng: bool = True) -> TrainState:
-    """Restore model (and optimizer, RNG) from a checkpoint directory; returns its TrainState."""
+def read(path: str | Path) -> dict[str, Any]:
+    """The saved payload of a checkpoint directory (tensors on the CPU); CheckpointError if unreadable."""
     f = Path(path) / STATE_FILE
     if not f.exists():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
-        payload: dict[str, Any] = torch.load(f, map_location="cpu", weights_only=False)
+        return torch.load(f, map_location="cpu", weights_only=False)
     except Exception as exc:  # torch raises many types for a truncated/corrupt file
         raise CheckpointError(f"cannot read {f}: {exc}") from exc
+
+
+def train_state(payload: dict[str, Any]) -> TrainState:
+    ts = payload["train_state"]
+    return TrainState(ts["weight_version"], ts["updates"], ts.get("last_entry_id", ""),
+                      list(ts.get("consumed_ids", [])), dict(ts.get("extra", {})), list(ts.get("lineage", [])))
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         restore_rng: bool = True) -> TrainState:
+    """Restore model (and optimizer, RNG) from a checkpoint directory; returns its TrainState."""
+    payload = read(path)
     missing, unexpected = model.load_state_dict(payload["model"], strict=False)
     if unexpected:
         raise CheckpointError(f"checkpoint {path} has parameters this model lacks: {unexpected[:5]}")
@@ -124,6 +139,4 @@ def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimi
         optimizer.load_state_dict(payload["optimizer"])
     if restore_rng:
         set_rng_state(payload["rng"])
-    ts = payload["train_state"]
-    return TrainState(ts["weight_version"], ts["updates"], ts.get("last_entry_id", ""),
-                      list(ts.get("consumed_ids", [])), dict(ts.get("extra", {})), list(ts.get("lineage", [])))
+    return train_state(payload)

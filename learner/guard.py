@@ -6,7 +6,8 @@ nor what happens to the batch afterwards (learner/learner.py):
 - `check_loss` / `check_gradient` run after each epoch's backward pass, before the
   optimizer step, so a NaN loss (a NaN advantage, an overflowed ratio) never reaches
   the weights; `check_weights` runs after the last step (a finite gradient can still
-  overflow a weight under a huge learning rate);
+  overflow a weight under a huge learning rate); with FSDP ranks (learner/fsdp.py) each
+  checks its own shard and they agree (`any_rank`), so every rank raises or none;
 - each raises `NonFiniteUpdate(where)`, `where` one of "loss", "gradient", "weights";
 - `WeightGuard.snapshot()` copies the trainable parameters and the optimizer state
   into buffers allocated once and reused, `restore()` copies them back: with
@@ -21,9 +22,10 @@ the moments are restored as well, so a skipped update leaves no trace at all.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class NonFiniteUpdate(ArithmeticError):
@@ -50,10 +52,16 @@ def check_gradient(total_norm: torch.Tensor | float) -> None:
         raise NonFiniteUpdate("gradient", f"gradient norm was {norm}")
 
 
-def check_weights(params: Iterable[torch.Tensor]) -> None:
-    for p in params:
-        if not bool(torch.isfinite(p).all()):
-            raise NonFiniteUpdate("weights", f"a parameter of shape {tuple(p.shape)} holds NaN or inf")
+def check_weights(params: Iterable[torch.Tensor], any_rank: Callable[[bool], bool] | None = None) -> None:
+    """`any_rank(found)`: whether any FSDP rank found a non-finite weight in its shard (None: one process)."""
+    bad = next((p for p in params if not bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())),
+               None)
+    found = bad is not None
+    if any_rank is not None:  # a collective: every rank calls it, found or not
+        found = any_rank(found)
+    if found:
+        raise NonFiniteUpdate("weights", f"a parameter of shape {tuple(bad.shape)} holds NaN or inf"
+                              if bad is not None else "on another FSDP rank")
 
 
 class WeightGuard:

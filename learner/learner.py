@@ -36,6 +36,11 @@ precision, `learner.device` and `learner.dtype` (learner/precision.py: 'bfloat16
 fp32 master weights and AdamW state and runs the forwards under bf16 autocast); the
 snapshot of step 2 is a second copy of the trainable weights on that device.
 
+With `learner.num_gpus` = N > 1 this process is rank 0 of N FSDP ranks on the node's GPUs
+(learner/fsdp.py): each holds 1/N of the policy's weights, gradients and AdamW state and
+runs its share of every update's micro-batches; the update, the guard's snapshot and
+restore, publishing and checkpoints go through `Ranks`, and the loop above is unchanged.
+
 The weight version is the number of updates applied; a trajectory's staleness is
 that minus the version the worker's engine served. Departures from the paper: the
 outcome reward is the trajectory's summed reward (1 at a successful final step).
@@ -60,12 +65,13 @@ from infra.schema import Trajectory, decode_as
 from infra.streams import LEARNER_GROUP, StreamConsumer, trajectories_stream
 from learner import checkpoint as ckpt
 from learner.batching import GroupBatcher
+from learner.fsdp import RankFailure, Ranks, RanksGuard, check_ranks
 from learner.guard import NonFiniteUpdate, WeightGuard
 from learner.inflight import STRIKES_TO_DEAD_LETTER, InflightLedger
 from learner.policy_model import PolicyModel
 from learner.precision import Precision
 from learner.staleness import StalenessFilter
-from learner.update import UpdateStats, apply_update
+from learner.update import UpdateStats, apply_update, new_optimizer
 from learner.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -95,15 +101,21 @@ class Learner:
         self.cfg, self.run_dir, self.consumer, self.publisher = cfg, Path(run_dir), consumer, publisher
         if policy is None:
             precision = Precision.checked(cfg.device, cfg.dtype, "learner.device", "learner.dtype")
-            policy = PolicyModel(model_name, cfg.lora_rank, value_head=cfg.algo == "ppo",
-                                 gradient_checkpointing=cfg.gradient_checkpointing, precision=precision)
+            check_ranks(cfg)
+            policy = PolicyModel.for_learner(cfg, model_name, precision)
+        elif cfg.num_gpus > 1:
+            raise ValueError("learner.num_gpus > 1: every rank loads `model_name` itself; pass no policy")
         self.policy = policy
         if cfg.kl_coef > 0:
             self.policy.snapshot_reference()
-        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
+        # learner.num_gpus > 1: start the other ranks; every rank shards its policy before its optimizer is made.
+        self.ranks = Ranks.start(cfg, model_name, policy) if cfg.num_gpus > 1 else None
+        self.optimizer = new_optimizer(self.policy, cfg)
         self.staleness = StalenessFilter(cfg.max_staleness, cfg.staleness_mode, cfg.is_cap)
         self.batches = GroupBatcher(consumer, cfg, group_size, self.staleness, read_block_ms)
-        self.guard = WeightGuard(self.policy.trainable_parameters(), self.optimizer)
+        self.guard: WeightGuard | RanksGuard = WeightGuard(self.policy.trainable_parameters(), self.optimizer)
+        if self.ranks is not None:
+            self.guard = RanksGuard(self.ranks, self.guard)
         self.ledger = InflightLedger(self.run_dir)
         self._recovered = False
         self.version = 0
@@ -161,9 +173,12 @@ class Learner:
         t0 = time.monotonic()
         self.ledger.begin(self.updates + 1, [e for u in units for e in u.entry_ids])
         self.guard.snapshot()
+        update = self.ranks.update if self.ranks is not None else apply_update
         try:
             stats = await asyncio.get_running_loop().run_in_executor(
-                self._compute, apply_update, self.policy, self.optimizer, self.cfg, units, self.version)
+                self._compute, update, self.policy, self.optimizer, self.cfg, units, self.version)
+        except RankFailure:  # FSDP ranks out of step: nothing can be undone on them (learner/fsdp.py)
+            raise
         except NonFiniteUpdate as exc:
             metrics.LEARNER_NONFINITE_UPDATES.labels(exc.where).inc()
             await self._undo(units, exc.reason)
@@ -181,7 +196,7 @@ class Learner:
         stats.discarded = self.batches.take_discarded()
         if self.publisher is not None and self.updates % self.cfg.publish_every == 0:
             try:
-                await self.publisher.publish(self.policy, self.version)
+                await self.publisher.publish(self.exported, self.version)
             except Exception:  # engines down or disk full: keep training; staleness will show it
                 log.exception("publishing weights v%d failed; workers keep the previous version", self.version)
         if self.updates % self.cfg.checkpoint_every == 0:
@@ -233,7 +248,17 @@ class Learner:
     async def publish(self) -> None:
         """Publish the current weights now (after a warm start or a resume)."""
         if self.publisher is not None:
-            await self.publisher.publish(self.policy, self.version)
+            await self.publisher.publish(self.exported, self.version)
+
+    @property
+    def exported(self) -> Any:
+        """What publishing saves (`save_hf`): the policy, or with FSDP ranks their gathered weights."""
+        return self.ranks if self.ranks is not None else self.policy
+
+    def close(self) -> None:
+        """Stop the FSDP ranks (learner.num_gpus > 1); nothing to do for one process."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     async def finish(self) -> None:
         """End of training: publish the weights if the last update's were not, and checkpoint."""
@@ -252,7 +277,9 @@ class Learner:
             self.extra[name] = get()
         state = ckpt.TrainState(self.version, self.updates, self.batches.last_entry_id, self.batches.seen_ids(),
                                 dict(self.extra), list(self.batches.lineage))
-        path = ckpt.save(self.run_dir, self.policy, self.optimizer, state, keep=self.cfg.keep_checkpoints)
+        tensors = self.ranks.state(self.optimizer) if self.ranks is not None else None
+        path = ckpt.save(self.run_dir, self.policy, self.optimizer, state, keep=self.cfg.keep_checkpoints,
+                         tensors=tensors)
         log.info("checkpoint %s (version %d)", path, self.version)
         return path
 
@@ -261,7 +288,8 @@ class Learner:
         path = Path(path) if path is not None else ckpt.latest(self.run_dir)
         if path is None:
             return False
-        state = ckpt.load(path, self.policy, self.optimizer)
+        state = self.ranks.load(path, self.optimizer) if self.ranks is not None \
+            else ckpt.load(path, self.policy, self.optimizer)
         self.version, self.updates = state.weight_version, state.updates
         self.batches.restore(state.consumed_ids, state.last_entry_id, state.lineage)
         self.extra = state.extra

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
+from infra.config import LearnerConfig
 from infra.engine.scoring import continuation_logprobs, mean_logprobs
 from infra.engine.models import load_model
 from learner.precision import Precision
@@ -93,6 +94,15 @@ class PolicyModel(nn.Module):
         self.share_prefix = True  # packed trajectories of one group run their common first turn once
         self.to(precision.device)  # a passed-in model and the value head join the loaded weights
         self.lm.train()
+
+    @classmethod
+    def for_learner(cls, cfg: LearnerConfig, model_name: str, precision: Precision) -> PolicyModel:
+        """The RL learner's policy as `cfg` asks (every FSDP rank builds its own so, learner/fsdp.py)."""
+        policy = cls(model_name, cfg.lora_rank, value_head=cfg.algo == "ppo",
+                     gradient_checkpointing=cfg.gradient_checkpointing, precision=precision)
+        if cfg.kl_coef > 0:
+            policy.snapshot_reference()
+        return policy
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
@@ -194,8 +204,9 @@ class PolicyModel(nn.Module):
             # Not a submodule: it must stay out of parameters(), state_dict() and checkpoints.
             object.__setattr__(self, "_ref", ref)
 
-    def save_hf(self, path: str | Path) -> Path:
-        """Write a plain Hugging Face directory an engine can load (LoRA merged), atomically."""
+    def save_hf(self, path: str | Path, lm_state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write a plain Hugging Face directory an engine can load (LoRA merged), atomically.
+        `lm_state`: the language model's full weights, gathered from the FSDP ranks (learner/fsdp.py)."""
         path = Path(path)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -203,7 +214,8 @@ class PolicyModel(nn.Module):
             merged = copy.deepcopy(self.lm).merge_and_unload()
         else:
             merged = self.lm
-        merged.save_pretrained(tmp, safe_serialization=True)
+        weights = {"state_dict": lm_state} if lm_state is not None else {}
+        merged.save_pretrained(tmp, safe_serialization=True, **weights)
         self.tokenizer.save_pretrained(tmp)
         if path.exists():
             shutil.rmtree(path)

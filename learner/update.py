@@ -19,6 +19,13 @@ filtered, and nothing about streams, acks, versions or checkpoints:
    the last one (learner/guard.py: the learner undoes the update).
    A multi-turn trajectory is one packed sequence, one forward (learner/policy_model.py).
 
+With `learner.num_gpus > 1` every FSDP rank runs this same update (learner/fsdp.py) with
+a `share`: which of the micro-batches it runs (the others run them; it runs a zero-weighted
+stand-in where it has fewer, so every rank makes the same forward/backward calls) and a
+sum over ranks. The losses keep their share of the whole (mini-)batch and the ranks' gradients
+are summed, so the reduced gradient is the single-process one; the old log-probs, the loss
+terms and the non-finite checks are summed over ranks too, so every rank decides alike.
+
 Only the action (label) tokens train: a Step is trainable when it carries a label, its
 behaviour log-prob, the label set and the prompt (`trainable_steps`). The losses are
 learner/losses.py. Departure from the paper: none here; see learner/learner.py.
@@ -26,8 +33,9 @@ learner/losses.py. Departure from the paper: none here; see learner/learner.py.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -87,6 +95,27 @@ class FixedInputs:
     old: list[list[float]]
     isw: list[list[float]]
     adv: list[list[tuple[float, float, float]]]
+
+
+class Share(Protocol):
+    """One data-parallel rank's part of an update (learner/fsdp.RankShare); None: the whole update here."""
+
+    def runs(self, chunks: Sequence[Sequence[int]]) -> list[tuple[Sequence[int], bool]]:
+        """(micro-batch, counted) per forward this rank makes: its own micro-batches, then stand-ins
+        (counted False: run with zero weight) until it makes as many calls as every other rank."""
+        ...
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` summed over the ranks (a CPU tensor back)."""
+        ...
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank."""
+        ...
+
+
+def _runs(chunks: Sequence[Sequence[int]], share: Share | None) -> list[tuple[Sequence[int], bool]]:
+    return share.runs(chunks) if share is not None else [(c, True) for c in chunks]
 
 
 def trainable_steps(traj: Trajectory) -> list[Step]:
@@ -164,48 +193,65 @@ def _pad(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]]) -> FixedInputs:
+def proximal(policy: Any, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
+             share: Share | None = None) -> tuple[list[float], list[float]]:
+    """The current policy's log-prob and value (0 without a value head) of every step, in row order, no grad."""
+    start = list(itertools.accumulate((len(r.steps) for r in rows), initial=0))
+    out = torch.zeros(2, start[-1], dtype=torch.float64)
+    for idx, counted in _runs(chunks, share):
+        with torch.no_grad():
+            lp, v = _forward(policy, [rows[i] for i in idx])
+        if counted:
+            lp = lp.double().cpu()
+            v = v.double().cpu() if v is not None else torch.zeros_like(lp)
+            k = 0
+            for i in idx:
+                n = len(rows[i].steps)
+                out[:, start[i]:start[i] + n] = torch.stack((lp[k:k + n], v[k:k + n]))
+                k += n
+    if share is not None:
+        out = share.sum(out)
+    return out[0].tolist(), out[1].tolist()
+
+
+def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
+                 share: Share | None = None) -> FixedInputs:
     """Old log-probs, importance weights and advantages, computed once before the epochs."""
     fixed = FixedInputs([], [], [])
-    need_prox = any(r.corrected for r in rows) or cfg.algo == "ppo"
-    for idx in chunks:
-        part = [rows[i] for i in idx]
-        lp = vals = None
-        if need_prox:
-            with torch.no_grad():
-                lp_t, v_t = _forward(policy, part)
-            lp = lp_t.tolist()
-            vals = v_t.tolist() if v_t is not None else [0.0] * len(lp)
-        k = 0
-        for r in part:
-            n = len(r.steps)
-            mu = [float(s.logprobs[0]) for s in r.steps]
-            if r.corrected:
-                prox = lp[k:k + n]
-                fixed.old.append(prox)
-                fixed.isw.append([truncated_is_weight(p, m, cfg.is_cap) for p, m in zip(prox, mu)])
-            else:
-                fixed.old.append(mu)
-                fixed.isw.append([1.0] * n)
-            if cfg.algo == "ppo":
-                a, ret = gae([float(s.reward) for s in r.steps], vals[k:k + n], cfg.gamma, cfg.gae_lambda)
-                fixed.adv.append(list(zip(a, ret, vals[k:k + n])))
-            else:
-                fixed.adv.append([(r.advantage, 0.0, 0.0)] * n)
-            k += n
+    lp = vals = None
+    if any(r.corrected for r in rows) or cfg.algo == "ppo":
+        lp, vals = proximal(policy, rows, chunks, share)
+    k = 0
+    for r in rows:
+        n = len(r.steps)
+        mu = [float(s.logprobs[0]) for s in r.steps]
+        if r.corrected:
+            prox = lp[k:k + n]
+            fixed.old.append(prox)
+            fixed.isw.append([truncated_is_weight(p, m, cfg.is_cap) for p, m in zip(prox, mu)])
+        else:
+            fixed.old.append(mu)
+            fixed.isw.append([1.0] * n)
+        if cfg.algo == "ppo":
+            a, ret = gae([float(s.reward) for s in r.steps], vals[k:k + n], cfg.gamma, cfg.gae_lambda)
+            fixed.adv.append(list(zip(a, ret, vals[k:k + n])))
+        else:
+            fixed.adv.append([(r.advantage, 0.0, 0.0)] * n)
+        k += n
     return fixed
 
 
 def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
-                         fixed: FixedInputs) -> dict[str, float]:
-    """One epoch's backward passes over every micro-batch, gradients summed into `.grad`; the loss terms."""
+                         fixed: FixedInputs, share: Share | None = None) -> dict[str, float]:
+    """One epoch's backward passes over every micro-batch (this rank's, with a `share`), gradients
+    summed into `.grad`; the loss terms (of the whole batch: summed over ranks)."""
     total_rows = sum(1 for r in rows if r.steps)
     total_tokens = sum(len(r.steps) for r in rows)
     sums = {"loss": 0.0, "pl": 0.0, "kl": 0.0, "vl": 0.0, "clip": 0.0, "tokens": 0}
-    for idx in chunks:
+    for idx, counted in _runs(chunks, share):
         part = [rows[i] for i in idx]
         logp_flat, v_flat = _forward(policy, part)
-        sums["tokens"] += int(getattr(policy, "last_tokens", 0))
+        tokens = int(getattr(policy, "last_tokens", 0))
         logp = _pad(part, logp_flat)
         mask = _pad(part, torch.ones_like(logp_flat))
 
@@ -226,13 +272,25 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
         if cfg.algo == "ppo" and v_flat is not None:
             vl = value_loss(_pad(part, v_flat), table(fixed.adv, 1), mask, table(fixed.adv, 2), cfg.clip_eps)
             loss = loss + cfg.value_coef * vl * w
+        if not counted:  # a stand-in: the same collectives as a real micro-batch, no gradient
+            (loss * 0.0).backward()
+            continue
         loss.backward()
+        sums["tokens"] += tokens
         sums["loss"] += float(loss.detach())
         sums["pl"] += float(out.policy_loss) * scale
         sums["kl"] += float(out.kl) * scale
         sums["vl"] += float(vl.detach()) * w
         sums["clip"] += float(out.clip_fraction) * w
+    if share is not None:
+        total = share.sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()
+        sums = {k: (int(v) if k == "tokens" else v) for k, v in zip(sums, total)}
     return sums
+
+
+def new_optimizer(policy: Any, cfg: LearnerConfig) -> torch.optim.Optimizer:
+    """The learner's AdamW over the trainable parameters (on every FSDP rank, over its shards)."""
+    return torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
 
 
 def export_rewards(trajs: Sequence[Trajectory]) -> None:
@@ -246,23 +304,45 @@ def export_rewards(trajs: Sequence[Trajectory]) -> None:
         metrics.LEARNER_REWARD_VARIANCE.labels(env_kind=kind).set(sum((r - mean) ** 2 for r in rewards) / len(rewards))
 
 
-def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, units: Sequence[Unit],
-                 version: int) -> UpdateStats:
-    """Train `policy` on `units` (the learner is at weight `version`); the stats of this update."""
+def plan(units: Sequence[Unit], cfg: LearnerConfig,
+         vocab: int | None = None) -> tuple[list[Row], list[tuple[int, int]]]:
+    """The update's rows and the row ranges of its mini-batches (those with a trainable step).
+
+    Raises the ValueError a micro-batch's `choice_args` would (a score-mode step whose action is not
+    one of its candidates, a micro-batch mixing label and score mode) before any forward pass, and
+    with `vocab` the IndexError of a token id beyond it (the schema lets any uint32 through): with
+    FSDP ranks (learner/fsdp.py) no rank may fail alone between two collectives."""
     rows = rows_of(units)
+    bounds = [(a, b) for a, b in minibatch_bounds(units, cfg.minibatches) if any(r.steps for r in rows[a:b])]
+    parts = [rows] + [rows[a:b] for a, b in bounds]
+    for part in parts:
+        for idx in chunks_of(part, cfg.micro_batch):
+            choice_args([s for i in idx for s in part[i].steps])
+    if vocab is not None:
+        top = max((int(t) for r in rows for s in r.steps for t in (*s.choice_token_ids, *s.action_token_ids)),
+                  default=0)
+        if top >= vocab:
+            raise IndexError(f"token id {top} is beyond the policy's vocabulary of {vocab}")
+    return rows, bounds
+
+
+def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConfig, units: Sequence[Unit],
+                 version: int, share: Share | None = None) -> UpdateStats:
+    """Train `policy` on `units` (the learner is at weight `version`); the stats of this update.
+    `share`: this FSDP rank's part (learner/fsdp.py; every rank calls this with the same units)."""
+    rows, bounds = plan(units, cfg)
     policy.train()
-    fixed = fixed_inputs(policy, cfg, rows, chunks_of(rows, cfg.micro_batch))
+    fixed = fixed_inputs(policy, cfg, rows, chunks_of(rows, cfg.micro_batch), share)
     sums = dict.fromkeys(("loss", "pl", "kl", "vl", "clip"), 0.0)
     params = policy.trainable_parameters()
     tokens = 0
-    bounds = [(a, b) for a, b in minibatch_bounds(units, cfg.minibatches) if any(r.steps for r in rows[a:b])]
     steps = cfg.epochs_per_batch * len(bounds)
     for _ in range(cfg.epochs_per_batch):
         for a, b in bounds:
             part = rows[a:b]
             optimizer.zero_grad(set_to_none=True)
             out = accumulate_gradients(policy, cfg, part, chunks_of(part, cfg.micro_batch),
-                                       FixedInputs(fixed.old[a:b], fixed.isw[a:b], fixed.adv[a:b]))
+                                       FixedInputs(fixed.old[a:b], fixed.isw[a:b], fixed.adv[a:b]), share)
             tokens += int(out.pop("tokens", 0))
             check_loss(out["loss"])  # before the step: a NaN never reaches the weights (learner/guard.py)
             check_gradient(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
@@ -270,7 +350,7 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConf
                 sums[k] += v / steps
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    check_weights(params)
+    check_weights(params, share.any if share is not None else None)
     trajs = [r.traj for r in rows]
     mean_reward = sum(t.total_reward for t in trajs) / len(trajs)
     lags = [staleness(t.policy_version, version) for t in trajs]

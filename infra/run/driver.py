@@ -56,7 +56,8 @@ from infra.run.services import Services
 from infra.run.workers import WorkerPool
 from infra.schema import encode
 from infra.streams import LEARNER_GROUP, StreamProducer, stream_backlog, tasks_stream, trajectories_stream
-from learner.learner import Learner, stream_learner
+from learner.fsdp import check_ranks
+from learner.learner import Learner
 from learner.precision import Precision
 from simulator.curriculum import CurriculumScheduler
 from simulator.embedder import Embedder
@@ -147,6 +148,8 @@ def check_devices(cfg: Config) -> None:
     """Before anything starts: the learner, the policy warm start and Mexp SFT run in this process, so
     a device this machine lacks fails now with the setting's name (ConfigError), not minutes later in torch."""
     Precision.checked(cfg.learner.device, cfg.learner.dtype, "learner.device", "learner.dtype")
+    if cfg.actors.runtime != "ray":  # a learner actor checks its own node's GPUs for learner.num_gpus
+        check_ranks(cfg.learner)
     Precision.checked(cfg.simulator.sft_device, cfg.simulator.sft_dtype, "simulator.sft_device", "simulator.sft_dtype")
 
 
@@ -303,7 +306,7 @@ async def make_learner(cfg: Config, svc: Services, policy_model: str) -> Learner
     process, or with `actors.runtime=ray` an actor on the `learner_gpu` node (the same methods)."""
     if cfg.actors.runtime == "ray":
         return await svc.learner_actor(policy_model)
-    return stream_learner(cfg, svc.client, svc.prefix, svc.run_dir, svc.policy, policy_model)
+    return svc.learner(policy_model)
 
 
 def make_curriculum(cfg: Config, svc: Services, seeds: list) -> CurriculumScheduler:

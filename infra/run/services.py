@@ -54,6 +54,7 @@ from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, s
 from infra.run.monitoring import Monitoring
 from infra.run.workers import WorkerPool, autoscaler, local_spawner, make_env_factory
 from infra.streams import connect, ping
+from learner.learner import Learner, stream_learner
 from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel
 from simulator.replay_buffer import make_buffer, seed_buffer
@@ -194,12 +195,19 @@ class Services:
         self._stack.callback(self.monitoring.remove, "engine", role)
         return url
 
+    def learner(self, policy_model: str) -> Learner:
+        """The learner in this process, on the run's trajectory stream, publishing to the policy engines;
+        its FSDP ranks (`learner.num_gpus` > 1, learner/fsdp.py) end with the run."""
+        learner = stream_learner(self.cfg, self.client, self.prefix, self.run_dir, self.policy, policy_model)
+        self._stack.callback(learner.close)
+        return learner
+
     async def learner_actor(self, policy_model: str) -> LearnerHandle:
-        """The learner as an actor on the `learner_gpu` node (one GPU with `learner.device` on CUDA; the label
-        is its reservation, so it asks for no CPU share), on the run's Redis and policy engines."""
+        """The learner as an actor on the `learner_gpu` node (`learner.num_gpus` GPUs with `learner.device` on
+        CUDA; the label is its reservation, so it asks for no CPU share), on the run's Redis and policy engines."""
         opts = placement_options("learner", self.ray_resources(), num_cpus=0)
         if self.cfg.learner.device.startswith("cuda"):
-            opts["num_gpus"] = 1
+            opts["num_gpus"] = self.cfg.learner.num_gpus
         actor = spawn_learner(self.cfg, policy_model, self.run_dir, self.redis_url, self.prefix, self.policy.urls, opts)
         self._stack.callback(kill_actor, actor)
         self.placement.record("learner", actor)
