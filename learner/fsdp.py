@@ -37,11 +37,12 @@ whole policy is one FSDP unit, with `forward_choice` registered as its forward. 
 `forward_choice` calls the language model a data-dependent number of times (a padded
 batch of lone prompts and one of packed trajectories; in score mode once per distinct
 prompt), and a unit per layer all-gathers at every call, so two ranks on different
-micro-batches would issue different collectives and hang. One unit all-gathers once
-per forward and once per backward, and reduce-scatters once per backward, whatever the
-micro-batch holds: the master weights, the gradients between micro-batches and AdamW's
-moments are sharded (1/N each); the parameters and gradients inside one micro-batch's
-forward/backward are whole.
+micro-batches issue different collectives and hang (units per layer on the score-mode
+batch of tests/test_fsdp.py: gloo's 60 s timeout on a recv; one unit: the single-process
+gradients to 3e-8). One unit all-gathers once per forward and once per backward, and
+reduce-scatters once per backward, whatever the micro-batch holds: the master weights,
+the gradients between micro-batches and AdamW's moments are sharded (1/N each); the
+parameters and gradients inside one micro-batch's forward/backward are whole.
 
 Limits, as errors rather than silent: `learner.lora_rank > 0` with N > 1 is a
 ConfigError (publishing merges the adapter in one process); a rank that fails other

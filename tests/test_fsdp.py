@@ -3,7 +3,8 @@
 Two gloo ranks on this CPU, the tiny random Llama and the batch of tests/test_update.py:
 the gradients after one sharded accumulation (each rank on its share of the
 micro-batches, a zero-weighted stand-in where it has fewer) equal the single-process
-ones; a whole update with two mini-batches leaves the weights and the AdamW state of the
+ones, in score mode too, where micro-batches call the model different numbers of times;
+a whole update with two mini-batches leaves the weights and the AdamW state of the
 single-process update, gathered in the single-process checkpoint format, and the guard
 undoes it on both ranks; `dreamgym train` with `learner.num_gpus=2` trains, publishes,
 checkpoints and resumes.
@@ -21,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_update import gradients, tiny, units  # noqa: F401  (tiny is a fixture)
+from test_update import CANDS, gradients, tiny, units  # noqa: F401  (tiny is a fixture)
 
 from infra.config import ConfigError, LearnerConfig, load_config
 from infra.engine.models import load_tokenizer
@@ -34,11 +35,30 @@ from learner.update import (Unit, accumulate_gradients, apply_update, chunks_of,
                             rows_of)
 from learner.weights import published_versions
 
-CASES = [("grpo", "sequence", 0.0), ("grpo", "token", 0.1), ("ppo", "token", 0.0)]
+# (algo, aggregate, kl_coef, score mode)
+CASES = [("grpo", "sequence", 0.0, False), ("grpo", "token", 0.1, False), ("ppo", "token", 0.0, False),
+         ("grpo", "sequence", 0.0, True)]
 
 
 def _cfg(algo: str, aggregate: str = "sequence", kl: float = 0.0, **kw) -> LearnerConfig:
     return LearnerConfig(algo=algo, aggregate=aggregate, kl_coef=kl, staleness_mode="importance", micro_batch=3, **kw)
+
+
+def scored(tok, batch: list[Unit]) -> list[Unit]:
+    """`batch` in score mode: each step's candidates as token lists, so one forward_choice calls the
+    model once per distinct prompt, a different number of times per micro-batch (learner/fsdp.py)."""
+    cands = [tok(" " + c, add_special_tokens=False)["input_ids"] for c in CANDS]
+
+    def step(s):
+        return dataclasses.replace(s, choice_token_ids=[t for c in cands for t in c],
+                                   choice_lengths=[len(c) for c in cands],
+                                   action_token_ids=cands[CANDS.index(s.action)])
+    return [Unit([dataclasses.replace(t, steps=[step(s) for s in t.steps]) for t in u.trajs], u.advantages, u.corrected)
+            for u in batch]
+
+
+def _batch(tok, algo: str, score: bool) -> list[Unit]:
+    return scored(tok, units(tok, algo)) if score else units(tok, algo)
 
 
 def _free_port() -> int:
@@ -62,7 +82,7 @@ def _accumulate_on_rank(rank: int, world: int, port: int, model_dir: str, out: s
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tok = load_tokenizer(model_dir)
     got = []
-    for algo, aggregate, kl in CASES:
+    for algo, aggregate, kl, score in CASES:
         cfg = _cfg(algo, aggregate, kl)
         policy = PolicyModel(model_dir, value_head=algo == "ppo")
         if policy.value_head is not None:  # as test_update.gradients: a non-zero head
@@ -72,7 +92,7 @@ def _accumulate_on_rank(rank: int, world: int, port: int, model_dir: str, out: s
             policy.snapshot_reference()
         share = shard(policy, world, "cpu")
         policy.train()
-        rows = rows_of(units(tok, algo))
+        rows = rows_of(_batch(tok, algo, score))
         chunks = chunks_of(rows, cfg.micro_batch)
         accumulate_gradients(policy, cfg, rows, chunks, fixed_inputs(policy, cfg, rows, chunks, share), share)
         grads = {n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None}
@@ -88,11 +108,11 @@ def test_two_ranks_accumulate_the_single_process_gradients(tiny, tiny_model_dir,
     out = tmp_path / "grads.pt"
     mp.spawn(_accumulate_on_rank, args=(2, _free_port(), str(tiny_model_dir), str(out)), nprocs=2)
     got = torch.load(out)
-    for (algo, aggregate, kl), grads in zip(CASES, got):
-        want = gradients(model, tok, _cfg(algo, aggregate, kl), units(tok, algo))
+    for (algo, aggregate, kl, score), grads in zip(CASES, got):
+        want = gradients(model, tok, _cfg(algo, aggregate, kl), _batch(tok, algo, score))
         assert grads.keys() == want.keys() and len(want) > 10
         for name, g in want.items():
-            torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-5, msg=f"{algo}/{aggregate}/kl={kl}: {name}")
+            torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-5, msg=f"{algo} {aggregate} {kl} {score} {name}")
     assert len(chunks_of(rows_of(units(tok, "grpo")), 3)) % 2 == 1  # unequal shares: rank 1 ran a stand-in
 
 
