@@ -62,6 +62,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -218,6 +219,7 @@ class Ranks:
                  conns: list[Connection]):
         self.policy, self.share, self.procs, self.conns = policy, share, procs, conns
         self._end = weakref.finalize(self, _end, procs, conns)  # at interpreter exit at the latest
+        self._lock = threading.Lock()  # one order at a time: the update, publish and checkpoint threads
 
     @classmethod
     def start(cls, cfg: LearnerConfig, model_name: str, policy: PolicyModel) -> Ranks:
@@ -240,10 +242,12 @@ class Ranks:
                 conns[-1].send_bytes(_pack({"rank": rank, "world": n, "port": store.port, "model": model_name,
                                             "cfg": dataclasses.asdict(cfg)}))
             for rank, (proc, conn) in enumerate(zip(procs, conns), start=1):  # each is up before the rendezvous
-                while not conn.poll(1.0):
-                    if proc.poll() is not None:
-                        raise RankFailure(f"FSDP rank {rank} exited with code {proc.returncode} while starting")
-                conn.recv_bytes()
+                while not conn.poll(1.0) and proc.poll() is None:
+                    pass
+                try:
+                    conn.recv_bytes()
+                except (EOFError, OSError):
+                    raise RankFailure(f"FSDP rank {rank} exited with code {proc.wait()} while starting") from None
             dist.init_process_group(_backend(device), store=store, rank=0, world_size=n, timeout=TIMEOUT)
             ranks = cls(policy, shard(policy, n, device), procs, conns)
             ranks._replies()  # every rank loaded and sharded its policy
@@ -260,27 +264,29 @@ class Ranks:
         """`update.apply_update` on every rank, each with its share of the micro-batches."""
         # A batch that cannot train raises here, before any other rank starts: an ordinary undone update.
         plan(units, cfg, self.policy.lm.config.vocab_size)
-        self._send({"op": "update", "units": encode_units(units), "version": version})
-        try:
-            with self._device():
-                stats = apply_update(policy, optimizer, cfg, units, version, self.share)
-        except NonFiniteUpdate:
-            self._replies(nonfinite=True)  # every rank decided alike: the learner undoes it on all of them
-            raise
-        except Exception as exc:
-            raise self._failed(f"rank 0: {type(exc).__name__}: {exc}") from exc
-        self._replies()
+        with self._lock:
+            self._send({"op": "update", "units": encode_units(units), "version": version})
+            try:
+                with self._device():
+                    stats = apply_update(policy, optimizer, cfg, units, version, self.share)
+            except NonFiniteUpdate:
+                self._replies(nonfinite=True)  # every rank decided alike: the learner undoes it on all of them
+                raise
+            except Exception as exc:
+                raise self._failed(f"rank 0: {type(exc).__name__}: {exc}") from exc
+            self._replies()
         return stats
 
     def call(self, order: dict, local: Callable[[], Any]) -> Any:
         """Give every other rank `order`, run `local` here meanwhile, wait for them; `local`'s result."""
-        self._send(order)
-        try:
-            with self._device():
-                out = local()
-        except Exception as exc:
-            raise self._failed(f"rank 0: {type(exc).__name__}: {exc}") from exc
-        self._replies()
+        with self._lock:
+            self._send(order)
+            try:
+                with self._device():
+                    out = local()
+            except Exception as exc:
+                raise self._failed(f"rank 0: {type(exc).__name__}: {exc}") from exc
+            self._replies()
         return out
 
     def save_hf(self, path: str | Path) -> Path:
@@ -390,12 +396,17 @@ def serve(fd: int) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     conn.send_bytes(_pack({"ok": True}))  # up: rank 0 joins the rendezvous now
-    store = dist.TCPStore("127.0.0.1", init["port"], world, is_master=False, timeout=TIMEOUT)
-    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-    policy = PolicyModel.for_learner(cfg, init["model"], Precision(device, cfg.dtype))
-    share = shard(policy, world, device)
-    optimizer = new_optimizer(policy, cfg)
-    guard = WeightGuard(policy.trainable_parameters(), optimizer)
+    try:
+        store = dist.TCPStore("127.0.0.1", init["port"], world, is_master=False, timeout=TIMEOUT)
+        dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+        policy = PolicyModel.for_learner(cfg, init["model"], Precision(device, cfg.dtype))
+        share = shard(policy, world, device)
+        optimizer = new_optimizer(policy, cfg)
+        guard = WeightGuard(policy.trainable_parameters(), optimizer)
+    except Exception as exc:  # rank 0 reports it (RankFailure) and ends the others
+        log.exception("FSDP rank %d could not start", rank)
+        conn.send_bytes(_pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        return 1
     conn.send_bytes(_pack({"ok": True}))
     while True:
         try:
