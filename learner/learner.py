@@ -37,7 +37,7 @@ fp32 master weights and AdamW state and runs the forwards under bf16 autocast); 
 snapshot of step 2 is a second copy of the trainable weights on that device.
 
 With `learner.num_gpus` = N > 1 this process is rank 0 of N FSDP ranks on the node's GPUs
-(learner/fsdp.py): each holds 1/N of the policy's weights, gradients and AdamW state and
+(learner/fsdp.py): each keeps 1/N of the policy's weights, gradients and AdamW state and
 runs its share of every update's micro-batches; the update, the guard's snapshot and
 restore, publishing and checkpoints go through `Ranks`, and the loop above is unchanged.
 
