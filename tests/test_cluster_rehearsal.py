@@ -6,7 +6,8 @@ label the way `ray start --resources` does on a real cluster: a plain head, `rol
 reads). `dreamgym train` joins it through `infra.ray_address` with `actors.runtime=ray`, on
 real TextWorld offline data, the tiny random Llama as policy and Mexp, and a real Redis, in
 sim-to-real: a DreamGym phase (synthetic environments: the buffer actor and the Mexp engine
-serve the workers; the random Mexp's output is rejected, so it only runs out its time budget),
+serve the workers; the random Mexp's output is rejected, so the phase would only end by running
+out its time budget: the test ends it once its worker has pushed a group, tests/phase_guard.py),
 then a real-environment phase that spends its exact transition budget and trains. Two phases
 also check that the scheduler actor feeds a second phase after it was stopped once.
 
@@ -32,6 +33,7 @@ import pytest
 
 from infra.config import load_config
 from learner import checkpoint as ckpt
+from tests.phase_guard import first_group_ends
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -86,14 +88,23 @@ async def test_train_places_every_role_on_its_labelled_node(cluster, tiny_run, t
     cfg = load_config(None, [*tiny_run, "actors.runtime=ray", f"infra.ray_address={c.address}",
                              "actors.env_kind=synthetic", "simulator.max_steps=2", "learner.total_updates=1",
                              "learner.s2r_real_transitions=4", "learner.s2r_max_updates=1",
-                             # each phase's guard: the DreamGym phase always runs it out (the random Mexp's
-                             # output is rejected); at 90 s a loaded machine (load 5) ended the real phase
-                             # before its new worker actor had played a step
+                             # each phase's guard, never reached when all goes well: the DreamGym phase ends
+                             # at its first pushed group (below), the real one on its spent transitions; at
+                             # 90 s a loaded machine (load 5) ended the real phase before its new worker actor
+                             # had played a step
                              "infra.train_budget_s=240", "learner.checkpoint_every=1"])
-    summary = await train(cfg, "rehearsal", evaluate=False)
+    ended = first_group_ends(monkeypatch, cfg, "rehearsal")
+    try:
+        summary = await train(cfg, "rehearsal", evaluate=False)
+    finally:
+        await ended.aclose()
     assert not ray.is_initialized()  # train joined the cluster itself, and left it
     dream, real = summary["phases"]
     assert dream["env_kind"] == "synthetic" and summary["replay_buffer_size"] > 0
+    # the DreamGym phase's worker actor played through the Mexp engine and the buffer actor and pushed a
+    # group (its episodes end as sim_error), which ended the phase before its guard
+    assert ended.fired and dream["trajectories_pushed"] >= cfg.actors.group_size
+    assert dream["seconds"] < cfg.infra.train_budget_s
     assert real["env_kind"] == "real" and real["real_transitions"] == 4 and real["transition_budget_spent"]
 
     placed = json.loads((tmp_path / "runs" / "rehearsal" / "summary.json").read_text())["placement"]

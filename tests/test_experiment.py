@@ -162,16 +162,25 @@ def test_eval_takes_a_directory_of_generated_games(tmp_path):
 
 
 @pytest.mark.slow
-async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(redis_url, tmp_path, tiny_dir):
+async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(redis_url, tmp_path, tiny_dir,
+                                                                                monkeypatch):
     from infra.run.driver import train
+    from tests.phase_guard import first_group_ends
 
     cfg = load_config(None, [f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tmp_path / 'data'}",
                              f"infra.redis_url={redis_url}", "infra.train_budget_s=60", *tiny(tiny_dir),
                              "learner.total_updates=1", "learner.s2r_real_transitions=7", "learner.s2r_max_updates=3",
                              "simulator.write_back=false"])
-    summary = await train(cfg, "s2r", evaluate=False)
+    # the random Mexp's output is rejected, so the DreamGym phase cannot reach its update: it ends at its
+    # first pushed group instead of running out its 60 s guard (tests/phase_guard.py)
+    ended = first_group_ends(monkeypatch, cfg, "s2r")
+    try:
+        summary = await train(cfg, "s2r", evaluate=False)
+    finally:
+        await ended.aclose()
     kinds = [(p["phase"], p["env_kind"]) for p in summary["phases"]]
     assert kinds == [("DreamGym", "synthetic"), ("sim-to-real: real env", "real")]
+    assert ended.fired and summary["phases"][0]["trajectories_pushed"] >= cfg.actors.group_size
     real = summary["phases"][1]
     assert real["real_transitions"] == 7 and real["transition_budget_spent"]  # exactly the budget
     assert summary["transitions"]["online_real"] == 7 and summary["phases"][0]["real_transitions"] == 0
