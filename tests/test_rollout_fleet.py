@@ -59,7 +59,8 @@ async def test_worker_actor_plays_a_real_group_through_the_engine(redis_url, ray
         await StreamProducer(client, tasks_stream(PREFIX)).add([encode(splits.train[0])])
         worker = fleet.spawn("ray-w0")
         trajs: list[Trajectory] = []
-        for _ in range(600):
+        deadline = asyncio.get_running_loop().time() + 240  # an actor start on a loaded machine takes minutes
+        while asyncio.get_running_loop().time() < deadline:
             trajs = [decode_as(f[b"d"], Trajectory) for _, f in await client.xrange(trajectories_stream(PREFIX))]
             if len(trajs) >= 2:
                 break
