@@ -289,10 +289,11 @@ class Ranks:
             self._replies()
         return out
 
-    def save_hf(self, path: str | Path) -> Path:
+    def save_hf(self, path: str | Path, dtype: str = "float32") -> Path:
         """The publisher's call (learner/weights.py): the gathered weights as a Hugging Face directory."""
         model, _ = self.call({"op": "gather", "optimizer": False}, lambda: gather(self.policy, None))
-        return self.policy.save_hf(path, lm_state={k[3:]: v for k, v in model.items() if k.startswith("lm.")})
+        return self.policy.save_hf(path, lm_state={k[3:]: v for k, v in model.items() if k.startswith("lm.")},
+                                   dtype=dtype)
 
     def state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """(trainable weights, optimizer state dict) for learner/checkpoint.save, as one process saves them."""

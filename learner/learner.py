@@ -329,5 +329,7 @@ def stream_learner(cfg: Config, client: Any, prefix: str, run_dir: str | Path, p
     consumer = StreamConsumer(client, trajectories_stream(prefix), LEARNER_GROUP, "learner-0",
                               lambda b: decode_as(b, Trajectory), reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
                               max_deliveries=cfg.infra.max_deliveries)
-    publisher = WeightPublisher(run_dir, policy_engines, keep=cfg.learner.keep_weights)
+    dtype = cfg.engines.dtype if cfg.learner.publish_dtype == "auto" else cfg.learner.publish_dtype
+    publisher = WeightPublisher(run_dir, policy_engines, keep=cfg.learner.keep_weights, dtype=dtype,
+                                root=cfg.infra.weights_dir)
     return Learner(cfg.learner, policy_model, run_dir, consumer, publisher, group_size=cfg.actors.group_size)

@@ -20,6 +20,7 @@ The value head runs outside autocast, in fp32.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import shutil
@@ -204,8 +205,10 @@ class PolicyModel(nn.Module):
             # Not a submodule: it must stay out of parameters(), state_dict() and checkpoints.
             object.__setattr__(self, "_ref", ref)
 
-    def save_hf(self, path: str | Path, lm_state: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write a plain Hugging Face directory an engine can load (LoRA merged), atomically.
+    def save_hf(self, path: str | Path, lm_state: dict[str, torch.Tensor] | None = None,
+                dtype: str = "float32") -> Path:
+        """Write a plain Hugging Face directory an engine can load (LoRA merged), atomically, its
+        floating-point tensors (and config.json's dtype) in `dtype`; the model itself is untouched.
         `lm_state`: the language model's full weights, gathered from the FSDP ranks (learner/fsdp.py)."""
         path = Path(path)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -214,8 +217,16 @@ class PolicyModel(nn.Module):
             merged = copy.deepcopy(self.lm).merge_and_unload()
         else:
             merged = self.lm
+        if dtype != "float32":
+            cast = getattr(torch, dtype)
+            state = lm_state if lm_state is not None else merged.state_dict()
+            lm_state = {k: v.detach().to(cast) if v.is_floating_point() else v for k, v in state.items()}
         weights = {"state_dict": lm_state} if lm_state is not None else {}
         merged.save_pretrained(tmp, safe_serialization=True, **weights)
+        if dtype != "float32":
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype" if "dtype" in config else "torch_dtype"] = dtype  # transformers 5 renamed it
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
         self.tokenizer.save_pretrained(tmp)
         if path.exists():
             shutil.rmtree(path)

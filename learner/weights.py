@@ -3,7 +3,11 @@
 Owns the weights directory of a run: version N lives in `<run_dir>/weights/v<N>`
 (written atomically: a temporary directory renamed into place), the engines are told
 with `EngineClient.update_weights_from_disk(path, N)`, and only the last `keep`
-versions stay on disk (an engine may still be loading the previous one).
+versions stay on disk (an engine may still be loading the previous one). With a
+shared `root` (`infra.weights_dir`) the versions live in `<root>/<run name>/` and
+`<run_dir>/weights` is a link to it, so every path below works the same; the
+engines are given the resolved path. Versions are safetensors in `dtype`
+(`learner.publish_dtype`: the engines' precision by default).
 `resolve_model` turns a run directory into its latest published version, so any
 run's weights can be evaluated or served (`dreamgym eval --checkpoint runs/<name>`).
 """
@@ -62,18 +66,39 @@ def resolve_model(path: str | Path) -> str:
     return str(version_path(run_dir, versions[-1]))
 
 
+def link_shared_dir(run_dir: Path, root: Path) -> Path:
+    """Make `<run_dir>/weights` a link to `<root>/<run name>` (created); returns the shared directory.
+    A run directory that already holds its own weights (not a link) is an error, not overwritten."""
+    shared = (root / run_dir.name).resolve()
+    shared.mkdir(parents=True, exist_ok=True)
+    link = weights_dir(run_dir)
+    if link.is_symlink():
+        if link.resolve() == shared:
+            return shared
+        link.unlink()
+    elif link.exists():
+        raise FileExistsError(f"{link} holds this run's earlier weights; move them to {shared} or leave "
+                              "infra.weights_dir empty")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(shared, target_is_directory=True)
+    return shared
+
+
 class WeightPublisher:
     """Saves a PolicyModel as version N and points the engines at it."""
 
-    def __init__(self, run_dir: str | Path, client: WeightSink | None = None, keep: int = 2):
-        self.run_dir, self.client, self.keep = Path(run_dir), client, max(1, keep)
+    def __init__(self, run_dir: str | Path, client: WeightSink | None = None, keep: int = 2, *,
+                 dtype: str = "float32", root: str | Path = ""):
+        self.run_dir, self.client, self.keep, self.dtype = Path(run_dir), client, max(1, keep), dtype
         self.last_published: int | None = None
+        if root:
+            link_shared_dir(self.run_dir, Path(root))
 
     async def publish(self, policy: Any, version: int) -> Path:
         path = version_path(self.run_dir, version)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Serialising 0.5 GB blocks; keep the event loop (stream heartbeats) responsive.
-        await asyncio.to_thread(policy.save_hf, path)
+        await asyncio.to_thread(policy.save_hf, path, dtype=self.dtype)
         if self.client is not None:
             await self.client.update_weights_from_disk(str(path.resolve()), version)
         self.last_published = version

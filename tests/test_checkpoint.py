@@ -88,13 +88,15 @@ class DirModel:
 
     def __init__(self):
         self.saves = 0
+        self.dtypes = []
 
-    def save_hf(self, path):
+    def save_hf(self, path, dtype="float32"):
         tmp = path.with_name(path.name + ".tmp")
         tmp.mkdir(parents=True)
         (tmp / "config.json").write_text("{}")
         shutil.move(tmp, path)
         self.saves += 1
+        self.dtypes.append(dtype)
 
 
 class Engines:
@@ -116,3 +118,19 @@ async def test_publisher_versions_and_keeps_the_last_few(tmp_path):
     assert published_versions(tmp_path) == [2, 3] and pub.last_published == 3
     assert engines.calls[-1] == (str(version_path(tmp_path, 3).resolve()), 3)
     assert [v for _, v in engines.calls] == [1, 2, 3]
+
+
+async def test_publisher_with_a_shared_root_writes_there_and_links_the_run(tmp_path):
+    engines, model = Engines(), DirModel()
+    run_dir, root = tmp_path / "runs" / "r1", tmp_path / "shared"
+    pub = WeightPublisher(run_dir, engines, keep=1, dtype="bfloat16", root=root)
+    for v in (1, 2):
+        await pub.publish(model, v)
+    assert sorted(p.name for p in (root / "r1").iterdir()) == ["v2"]  # pruned in the shared directory
+    assert published_versions(run_dir) == [2] and (run_dir / "weights").is_symlink()
+    assert engines.calls[-1] == (str((root / "r1" / "v2").resolve()), 2)  # the engines get the shared path
+    assert model.dtypes == ["bfloat16", "bfloat16"]
+    WeightPublisher(run_dir, engines, root=root)  # a resumed run finds its link
+    (tmp_path / "runs" / "r2" / "weights").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="infra.weights_dir"):
+        WeightPublisher(tmp_path / "runs" / "r2", engines, root=root)  # never hides a run's own weights

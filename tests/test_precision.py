@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from infra.config import ConfigError, LearnerConfig, SimulatorConfig, load_config
 from infra.engine.models import load_tokenizer, load_weights
 from learner import mexp_sft, policy_sft
-from learner.learner import Learner
+from learner.learner import Learner, stream_learner
 from learner.policy_model import PolicyModel
 from learner.precision import Precision
 from learner.update import accumulate_gradients, apply_update, chunks_of, fixed_inputs, rows_of
@@ -127,9 +129,11 @@ def test_mexp_sft_in_bf16_trains_fp32_weights(tiny):
 async def test_train_in_bf16_updates_and_publishes_weights_an_engine_loads(tiny_run, tmp_path):
     from infra.run.driver import train
 
+    shared = tmp_path / "shared-weights"
     cfg = load_config(None, [*tiny_run, "learner.dtype=bfloat16", "learner.total_updates=1",
                              "learner.warm_start_steps=2", "learner.warm_start_batch=2",
-                             "learner.warm_start_permutations=1"])
+                             "learner.warm_start_permutations=1", "learner.publish_dtype=bfloat16",
+                             f"infra.weights_dir={shared}"])
     summary = await train(cfg, "bf16", evaluate=False)
     assert summary["updates"] == 1 and summary["weight_version"] == 1
     assert math.isfinite(summary["history"][0]["loss"])
@@ -138,8 +142,29 @@ async def test_train_in_bf16_updates_and_publishes_weights_an_engine_loads(tiny_
     assert warm != policy_sft.cache_dir(dataclasses.replace(cfg, learner=LearnerConfig()))
     run_dir = tmp_path / "runs" / "bf16"
     assert published_versions(run_dir)[-1] == 1
+    # Published as bf16 safetensors in the shared directory; the fp32 engine loads them as fp32.
+    assert version_path(run_dir, 1).resolve() == (shared / "bf16" / "v1").resolve()
+    with safe_open(str(shared / "bf16" / "v1" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
     model = load_weights(str(version_path(run_dir, 1)))  # as the CPU engine loads it
     assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_publish_dtype_auto_follows_the_engines_and_keeps_the_policy_fp32(tiny, tmp_path):
+    """A bf16 publish writes bf16 tensors equal to the fp32 weights rounded, and leaves the policy fp32."""
+    policy = policy_of(*tiny, LearnerConfig(), Precision("cpu", "float32"))
+    path = policy.save_hf(tmp_path / "v1", dtype="bfloat16")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+    own = policy.lm.state_dict()
+    assert saved and all(v.dtype == torch.bfloat16 and torch.equal(v, own[k].to(torch.bfloat16))
+                         for k, v in saved.items())
+    assert all(p.dtype == torch.float32 for p in policy.lm.parameters())
+    assert json.loads((path / "config.json").read_text()).get("dtype") == "bfloat16"
+    for engines_dtype, want in (("bfloat16", "bfloat16"), ("float32", "float32")):
+        cfg = load_config(None, [f"engines.dtype={engines_dtype}", "learner.publish_dtype=auto"])
+        learner = stream_learner(cfg, None, "p", tmp_path / engines_dtype, None, str(path))
+        assert learner.publisher.dtype == want
 
 
 # ---- a device this machine lacks ----------------------------------------------------------------
