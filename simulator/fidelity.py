@@ -7,7 +7,9 @@ history, the real state and the real action (and the top-k neighbours from a buf
 of the TRAIN trajectories), and its prediction is compared with what the real
 environment did:
 
-- reward accuracy (|r̂ - r| < 0.5) and ΔR, the mean and max absolute reward error;
+- reward accuracy (|r̂ - r| < 0.5) and ΔR, the mean and max absolute reward error; since
+  outcome rewards are rare, also the reward's recall (rewarded real steps Mexp rewards), its
+  precision (Mexp's rewards that are real) and the accuracy of always answering 0;
 - done accuracy;
 - next-state agreement: item recall (share of the real state's actionable items that
   the predicted state lists) and token F1 (bag of words over the whole state);
@@ -105,10 +107,19 @@ def summarize(records: list[dict]) -> dict[str, float]:
         return {"steps": 0}
     parsed = [r for r in records if r["parsed"]]
     errs = [abs(r["reward"] - r["true_reward"]) for r in parsed]
+    # Outcome rewards are rare, so accuracy flatters a Mexp that never rewards: say how it does on
+    # the rewarded steps (recall), how often its rewards are real (precision), and what always
+    # answering 0 would score. A rejected step rewards nothing.
+    real = [r for r in records if r["true_reward"] >= 0.5]
+    said = [r for r in parsed if r["reward"] >= 0.5]
+    hits = sum(1 for r in said if r["true_reward"] >= 0.5)
     return {
         "steps": n,
         "parse_failure_rate": 1 - len(parsed) / n,
         "reward_accuracy": sum(1 for r in parsed if abs(r["reward"] - r["true_reward"]) < 0.5) / n,
+        "reward_recall": hits / len(real) if real else float("nan"),
+        "reward_precision": hits / len(said) if said else float("nan"),
+        "reward_accuracy_all_zero": 1 - len(real) / n,
         "delta_r_mean": sum(errs) / len(errs) if errs else float("nan"),
         "delta_r_max": max(errs) if errs else float("nan"),
         "done_accuracy": sum(1 for r in parsed if r["done"] == r["true_done"]) / n,
@@ -326,8 +337,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(cfg.infra.run_dir) / "fidelity.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    cols = ["steps", "parse_failure_rate", "reward_accuracy", "delta_r_mean", "delta_r_max", "done_accuracy",
-            "item_recall", "token_f1"]
+    cols = ["steps", "parse_failure_rate", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
+            "reward_precision", "delta_r_mean", "delta_r_max", "done_accuracy", "item_recall", "token_f1"]
     if args.judge_url:
         cols += [f"judge_{k}" for k in JUDGE_KEYS]
     table = Table(title=f"Mexp fidelity on {len(held_trajs)} held-out real trajectories")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from infra.config import SimulatorConfig
@@ -73,6 +75,19 @@ def test_summarize_counts_rejections_as_wrong():
     assert s["reward_accuracy"] == pytest.approx(1 / 3) and s["done_accuracy"] == pytest.approx(1 / 3)
     assert s["delta_r_mean"] == 0.5 and s["delta_r_max"] == 1.0
     assert s["item_recall"] == pytest.approx(0.5)
+
+
+def test_summarize_says_how_rare_rewards_are_predicted():
+    """1 real reward caught of 2, 1 of Mexp's 2 rewards real: a Mexp that never rewards would score 0.6."""
+    def rec(reward, true_reward, parsed=True):
+        return dict(parsed=parsed, reward=reward, true_reward=true_reward, done=False, true_done=False,
+                    item_recall=1.0, token_f1=1.0)
+    s = summarize([rec(1.0, 1.0), rec(0.0, 1.0), rec(1.0, 0.0), rec(0.0, 0.0), rec(0.0, 0.0, parsed=False)])
+    assert s["reward_accuracy"] == pytest.approx(2 / 5)  # the rejected step counts as wrong
+    assert s["reward_recall"] == pytest.approx(1 / 2) and s["reward_precision"] == pytest.approx(1 / 2)
+    assert s["reward_accuracy_all_zero"] == pytest.approx(3 / 5)
+    nothing = summarize([rec(0.0, 0.0)])
+    assert math.isnan(nothing["reward_recall"]) and math.isnan(nothing["reward_precision"])
 
 
 @pytest.mark.slow

@@ -233,15 +233,18 @@ async def fidelity_check(cfg: Config, svc: Services, offline: list, console: Any
         console.print("[yellow]Mexp fidelity check: no held-out real steps to replay[/]")
         return None
     ok = s["reward_accuracy"] >= cfg.simulator.min_reward_accuracy
-    line = (f"Mexp fidelity on {s['steps']} held-out real steps: reward accuracy {s['reward_accuracy']:.2f}, "
+    line = (f"Mexp fidelity on {s['steps']} held-out real steps: reward accuracy {s['reward_accuracy']:.2f} "
+            f"(always 0 would score {s['reward_accuracy_all_zero']:.2f}; recall {s['reward_recall']:.2f}, "
+            f"precision {s['reward_precision']:.2f}), "
             f"ΔR {s['delta_r_mean']:.3f}, parse failures {s['parse_failure_rate']:.2f} "
             f"({time.perf_counter() - t0:.0f} s)")
     export_fidelity(s)
     console.print(line if ok else f"[bold red]WARNING: {line}: below simulator.min_reward_accuracy="
                                    f"{cfg.simulator.min_reward_accuracy}; synthetic rewards are unreliable and "
                                    f"RL in DreamGym may learn the simulator's mistakes[/]")
-    return {**{k: s[k] for k in ("steps", "reward_accuracy", "delta_r_mean", "done_accuracy",
-                                  "parse_failure_rate", "item_recall", "token_f1") if k in s},
+    return {**{k: s[k] for k in ("steps", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
+                                  "reward_precision", "delta_r_mean", "done_accuracy", "parse_failure_rate",
+                                  "item_recall", "token_f1") if k in s},
             "below_threshold": not ok}
 
 

@@ -169,6 +169,7 @@ def row(name: str, about: str, s: dict, baseline: dict | None, baseline_name: st
            "episodes": n, "updates": s.get("updates", 0), "real_transitions": tr.get("online_real", 0),
            "offline_real_transitions": tr.get("offline_real", 0), "synthetic_transitions": tr.get("synthetic", 0),
            "mexp_reward_accuracy": fid.get("reward_accuracy"), "mexp_delta_r": fid.get("delta_r_mean"),
+           "mexp_reward_recall": fid.get("reward_recall"), "mexp_reward_precision": fid.get("reward_precision"),
            "mexp_below_threshold": fid.get("below_threshold"), "wall_seconds": s.get("total_seconds"),
            "train_seconds": s.get("train_seconds")}
     if baseline is not None and name != baseline_name:
@@ -201,6 +202,8 @@ def markdown(res: dict) -> str:
         diff = (f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]"
                 if "diff" in r else "–")
         acc = _pct(r["mexp_reward_accuracy"]) + (" (below threshold)" if r["mexp_below_threshold"] else "")
+        if r.get("mexp_reward_recall") is not None:  # runs from before recall was measured have none
+            acc += f"; recall {_pct(r['mexp_reward_recall'])}, precision {_pct(r.get('mexp_reward_precision'))}"
         dr = "–" if r["mexp_delta_r"] is None else f"{r['mexp_delta_r']:.3f}"
         lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}] "
                      f"| {diff} | {r['real_transitions']} | {r['synthetic_transitions']} | {r['updates']} | {acc} "
