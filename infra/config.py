@@ -161,7 +161,7 @@ class EngineConfig:
     host: str = _f("127.0.0.1", "Interface engines bind (`dreamgym serve`, embedded engine actors, the SGLang launcher): loopback unless other nodes must reach them, e.g. '0.0.0.0'.",
                    (lambda v: isinstance(v, str) and bool(v), "a host name or IP address"))
     api_key: str = _f("", "Bearer token engines require and clients send (SGLang's --api-key); empty: none. Never logged.")
-    weights_root: str = _f("", "Directory /update_weights_from_disk may load from (and below); empty: infra.run_dir and the served model's directory.")
+    weights_root: str = _f("", "Directory /update_weights_from_disk may load from (and below); empty: infra.run_dir, infra.weights_dir and the served model's directory.")
     prefix_cache_mb: float = _f(256.0, "Embedded engine: MB of prompt-prefix KV kept between requests (radix tree, LRU); 0 = off.", NON_NEGATIVE)
     threads: int = _f(1, "Embedded CPU engine: torch intra-op threads of its process (the driver's, for the engines `dreamgym train` embeds); 0 = all its cores. 1: with 2 per process, engines contending for 2 cores fell to a tenth of their speed (benchmarks/engine_throughput.py --sections threads).", NON_NEGATIVE)
     max_body_mb: float = _f(4.0, "Embedded engine: largest request body in MB (413 beyond).", POSITIVE)

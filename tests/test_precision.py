@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 
 import pytest
@@ -126,7 +127,7 @@ def test_mexp_sft_in_bf16_trains_fp32_weights(tiny):
 
 
 @pytest.mark.slow
-async def test_train_in_bf16_updates_and_publishes_weights_an_engine_loads(tiny_run, tmp_path):
+async def test_train_in_bf16_updates_and_publishes_weights_an_engine_loads(tiny_run, tmp_path, caplog):
     from infra.run.driver import train
 
     shared = tmp_path / "shared-weights"
@@ -134,8 +135,11 @@ async def test_train_in_bf16_updates_and_publishes_weights_an_engine_loads(tiny_
                              "learner.warm_start_steps=2", "learner.warm_start_batch=2",
                              "learner.warm_start_permutations=1", "learner.publish_dtype=bfloat16",
                              f"infra.weights_dir={shared}"])
-    summary = await train(cfg, "bf16", evaluate=False)
+    with caplog.at_level(logging.ERROR, logger="learner.learner"):
+        summary = await train(cfg, "bf16", evaluate=False)
     assert summary["updates"] == 1 and summary["weight_version"] == 1
+    # The embedded policy engine accepted the shared path (it only loads from its weights roots).
+    assert not [r for r in caplog.records if "publishing weights" in r.getMessage()]
     assert math.isfinite(summary["history"][0]["loss"])
     warm = policy_sft.cache_dir(cfg)
     assert (warm / "warm_start.json").exists()  # the warm start ran too, in bf16 (its own cache key)

@@ -343,12 +343,13 @@ def allowed_weights_path(path: str, roots: list[str]) -> bool:
     return any(os.path.commonpath([real, root]) == root for root in roots)
 
 
-def default_weights_roots(model: str, run_dir: str = "runs", configured: str = "") -> list[str]:
-    """`engines.weights_root` when set; else the runs directory and the directory holding the served model."""
+def default_weights_roots(model: str, run_dir: str = "runs", configured: str = "", weights_dir: str = "") -> list[str]:
+    """`engines.weights_root` when set; else the runs directory, the shared weights directory
+    (`infra.weights_dir`, where the learner publishes when it is set) and the directory holding the served model."""
     if configured:
         return [os.path.abspath(configured)]
     served = os.path.dirname(os.path.abspath(model)) if os.path.isdir(model) else str(cache_dir())
-    return [os.path.abspath(run_dir), served]
+    return [os.path.abspath(run_dir), *([os.path.abspath(weights_dir)] if weights_dir else []), served]
 
 
 def _oai_finish(o: GenOutput) -> str:
@@ -493,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or cfg.model
     device = args.device or cfg.device
     host = args.host or cfg.host
-    roots = default_weights_roots(model, full.infra.run_dir, cfg.weights_root)
+    roots = default_weights_roots(model, full.infra.run_dir, cfg.weights_root, full.infra.weights_dir)
 
     async def main() -> None:
         handle = await start_embedded_engine(model, host, args.port, cfg.max_batch_size, cfg.dtype,

@@ -152,7 +152,7 @@ class Services:
                 return list(configured)
             if e.launch == "sglang":
                 return [await self._launch_sglang(role, model)]
-            roots = default_weights_roots(model, self.cfg.infra.run_dir, e.weights_root)
+            roots = default_weights_roots(model, self.cfg.infra.run_dir, e.weights_root, self.cfg.infra.weights_dir)
             if self.cfg.actors.runtime == "ray":  # an engine actor on the role's labelled node
                 local = os.path.abspath(model) if os.path.isdir(model) else model  # the actor's cwd is its node's
                 actor, url = await asyncio.to_thread(start_role_engine, e, role, local, self.ray_resources(), roots)
