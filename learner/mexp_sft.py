@@ -194,6 +194,24 @@ def save(model: Any, tokenizer: Any, out_dir: Path) -> Path:
     return out_dir
 
 
+def cap_examples(examples: list[MexpExample], n: int, reward_share: float, seed: int) -> list[MexpExample]:
+    """At most `n` examples in a seeded random order. With `reward_share` > 0, that share of
+    them (rounded, as far as there are enough) comes from rewarded steps and the rest from
+    unrewarded ones: outcome rewards are rare, and a uniform draw leaves Mexp few examples of
+    a won task to learn the reward from."""
+    order = list(examples)
+    random.Random(seed).shuffle(order)
+    if reward_share <= 0 or len(order) <= n:
+        return order[:n]
+    won = [e for e in order if e.truth.reward > 0]
+    rest = [e for e in order if e.truth.reward <= 0]
+    k = min(len(won), round(n * reward_share))
+    picked = won[:k] + rest[:n - k]
+    picked += won[k:k + n - len(picked)]  # too few unrewarded steps: fill with rewarded ones
+    random.Random(seed + 2).shuffle(picked)
+    return picked
+
+
 def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, family: str = "textworld",
             seed: int = 0, progress: bool = True, base_model: str = "smollm2") -> dict[str, Any]:
     """Load the offline data, build examples with retrieval, train, save; returns the report.
@@ -213,15 +231,16 @@ def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, fam
             buffer.close()
     embedder.close()
     if cfg.sft_max_examples:
-        random.Random(seed).shuffle(train_ex)
-        train_ex = train_ex[:cfg.sft_max_examples]
+        train_ex = cap_examples(train_ex, cfg.sft_max_examples, cfg.sft_reward_share, seed)
     if cfg.sft_max_heldout:
         random.Random(seed + 1).shuffle(val_ex)
         val_ex = val_ex[:cfg.sft_max_heldout]
     enc_train = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in train_ex) if e is not None]
     enc_val = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in val_ex) if e is not None]
-    log.info("Mexp SFT: %d train / %d held-out examples (%d / %d skipped as longer than %d tokens)",
-             len(enc_train), len(enc_val), len(train_ex) - len(enc_train), len(val_ex) - len(enc_val), cfg.sft_max_len)
+    log.info("Mexp SFT: %d train / %d held-out examples (%d / %d skipped as longer than %d tokens); "
+             "%d of the train examples are rewarded steps",
+             len(enc_train), len(enc_val), len(train_ex) - len(enc_train), len(val_ex) - len(enc_val), cfg.sft_max_len,
+             sum(e.truth.reward > 0 for e in train_ex))
     if not enc_train:
         raise ValueError("no training examples fit sft_max_len; raise simulator.sft_max_len")
     report = train(model, tokenizer, enc_train, enc_val, cfg, seed, progress)
@@ -265,11 +284,14 @@ SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k
 def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int) -> dict:
     """What a cached Mexp SFT checkpoint depends on; the driver keys its cache directory by it.
     The device does not shape the weights (beyond float rounding); bf16 compute does, and float32,
-    the default, stays out of the key so the caches written before `sft_dtype` existed still count."""
+    the default, stays out of the key so the caches written before `sft_dtype` existed still count
+    (as does `sft_reward_share` at its default, 0)."""
     shaping = section_settings(cfg, SHAPING_FIELDS, prefixes=("sft_",))
     del shaping["sft_device"]
     if shaping["sft_dtype"] == "float32":
         del shaping["sft_dtype"]
+    if not shaping["sft_reward_share"]:  # the default draw, as before the setting existed
+        del shaping["sft_reward_share"]
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT, **shaping}
 
 

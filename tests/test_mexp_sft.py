@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from infra.config import SimulatorConfig
-from learner.mexp_sft import IGNORE, encode_example, run_sft
-from simulator.mexp_data import build_examples, load_offline, split_trajectories
-from simulator.mexp_output import parse_mexp_output
+from infra.schema import Task
+from learner.mexp_sft import IGNORE, cache_settings, cap_examples, encode_example, run_sft
+from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
+from simulator.mexp_output import MexpOutput, parse_mexp_output
 
 sys.path.insert(0, str(Path(__file__).parent))
 from textworld_offline import make_offline_dataset  # noqa: E402
@@ -77,3 +78,27 @@ async def test_short_sft_lowers_heldout_loss_and_checkpoint_serves(data_dir, smo
             assert res.weight_version == 1
     finally:
         await engine.stop()
+
+
+def _example(i: int, reward: float) -> MexpExample:
+    return MexpExample("p", "", "r", MexpOutput("", "s", reward, reward > 0), Task(task_id=f"t{i}", instruction=""),
+                       [], "s", f"a{i}", f"e{i}")
+
+
+def test_capped_examples_take_the_asked_share_of_rewarded_steps():
+    pool = [_example(i, 1.0 if i % 10 == 0 else 0.0) for i in range(100)]  # 10 rewarded of 100
+    uniform = cap_examples(pool, 40, 0.0, seed=0)
+    assert len(uniform) == 40 and len({e.action for e in uniform}) == 40
+    balanced = cap_examples(pool, 40, 0.25, seed=0)
+    assert len(balanced) == 40 and len({e.action for e in balanced}) == 40
+    assert sum(e.truth.reward > 0 for e in balanced) == 10
+    scarce = cap_examples(pool, 20, 0.9, seed=0)  # 18 asked, only 10 exist: all of them, the rest unrewarded
+    assert sum(e.truth.reward > 0 for e in scarce) == 10 and len(scarce) == 20
+    mostly_won = [_example(i, 1.0 if i < 95 else 0.0) for i in range(100)]
+    filled = cap_examples(mostly_won, 20, 0.1, seed=0)  # 2 asked but only 5 unrewarded: filled with rewarded
+    assert len(filled) == 20 and sum(e.truth.reward <= 0 for e in filled) == 5
+    assert cap_examples(pool, 200, 0.5, seed=0) == cap_examples(pool, 200, 0.0, seed=0)  # no cap to apply
+    assert [e.action for e in cap_examples(pool, 40, 0.25, seed=1)] != [e.action for e in balanced]
+    # The share shapes the checkpoint, so it keys the SFT cache; its default leaves older caches valid.
+    assert "sft_reward_share" not in cache_settings(SimulatorConfig(), "m", "o", 0)
+    assert cache_settings(SimulatorConfig(sft_reward_share=0.4), "m", "o", 0)["sft_reward_share"] == 0.4
