@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.confidence import wilson_interval
-from actors.envs.expert import make_chooser
+from actors.envs.expert import PerTaskChooser
 from actors.envs.registry import load_or_make_splits, make_env, tasks_from_spec
 from actors.episode import Chooser, run_episode
 from actors.policy import MAX_CHOICES, ChoicePolicy
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def go() -> EvalReport:
         if args.policy in ("expert", "random", "noisy"):
-            chooser, cleanup = make_chooser(args.policy, seed=cfg.infra.seed, eps=cfg.data.noise_eps), None
+            chooser, cleanup = PerTaskChooser(args.policy, seed=cfg.infra.seed, eps=cfg.data.noise_eps), None
         else:
             chooser, cleanup = await _engine_chooser(args, cfg)
         try:

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from actors.envs.base import INVALID_PREFIX, Environment, validate_state
-from actors.envs.expert import make_chooser
+from actors.envs.expert import PerTaskChooser, make_chooser
 from actors.envs.textworld_env import TextWorldEnv, _humanize_fact, facts_rationale, make_textworld_tasks, render_state
 from actors.evaluate import evaluate
 
@@ -105,6 +105,23 @@ def test_expert_solves_all_and_random_is_worse(tw):
     assert expert.success_rate == 1.0 and expert.invalid_rate == 0.0
     assert rand.success_rate < expert.success_rate
     assert rand.mean_steps > expert.mean_steps
+
+
+@pytest.mark.slow
+def test_random_anchor_is_the_same_whatever_runs_beside_it(tw):
+    # `dreamgym eval --policy random` (the experiment's anchor row) on 2 concurrent environments:
+    # the per-task chooser makes each task's episode the same in any order and interleaving.
+    _root, splits = tw
+    tasks = splits.train + splits.heldout
+
+    def episodes(order, concurrency):
+        rep = asyncio.run(evaluate(PerTaskChooser("random", seed=3), order, "textworld", max_steps=8,
+                                   concurrency=concurrency))
+        return {e["task_id"]: (e["success"], e["steps"]) for e in rep.per_task}
+
+    first = episodes(tasks, 2)
+    assert first == episodes(list(reversed(tasks)), 2) == episodes(tasks[1:] + tasks[:1], 1)
+    assert len(first) == len(tasks)
 
 
 @pytest.mark.slow

@@ -5,13 +5,15 @@ evaluation baselines. The expert's move comes from the environment itself
 (`info["expert_action"]`: TextWorld's `policy_commands`, MiniWoB's scripted solver,
 ALFWorld's planner; a zero-argument callable where the move costs a planner call),
 so these choosers read the step's info dict; the runner passes it to choosers whose
-`uses_env_info` is true. Randomness is a private `random.Random` per chooser, seeded,
-so an evaluation is reproducible.
+`uses_env_info` is true. Randomness is a private `random.Random` per chooser, seeded;
+an evaluation over concurrent environments uses `PerTaskChooser`, one seeded chooser
+per task, so its draws do not depend on which episodes interleave with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 from typing import Any, Sequence
 
@@ -78,3 +80,28 @@ def make_chooser(name: str, seed: int = 0, eps: float = 0.3):
     if name == "random":
         return RandomChooser(seed)
     raise ValueError(f"unknown scripted policy {name!r}; expected expert, noisy or random")
+
+
+class PerTaskChooser:
+    """A scripted chooser per task, seeded from (seed, task id).
+
+    One shared chooser draws from one random stream, so with several environments
+    stepping at once which task gets which draw depends on timing: the random anchor
+    of the same 48 games scored 0.250 in one run and 0.167 in the next. Per task, the
+    draws of a task are its own (reproducible as long as a task's episodes run one
+    after another, as `evaluate` deals them)."""
+
+    def __init__(self, name: str, seed: int = 0, eps: float = 0.3):
+        self.name, self.seed, self.eps = name, seed, eps
+        self.uses_env_info = make_chooser(name, seed, eps).uses_env_info  # also validates the name
+        self._by_task: dict[str, Any] = {}
+
+    async def __call__(self, task: Task, state: str, candidates: Sequence[str], history: Sequence[str],
+                       info: dict[str, Any] | None = None) -> str:
+        chooser = self._by_task.get(task.task_id)
+        if chooser is None:
+            digest = hashlib.sha1(f"{self.seed}:{task.task_id}".encode()).hexdigest()
+            chooser = self._by_task[task.task_id] = make_chooser(self.name, int(digest[:8], 16), self.eps)
+        if chooser.uses_env_info:
+            return await chooser(task, state, candidates, history, info)
+        return await chooser(task, state, candidates, history)
