@@ -200,6 +200,7 @@ class SimulatorConfig:
     sft_lora_rank: int = _f(0, "`dreamgym train-mexp`: LoRA rank (0 = full fine-tuning); adapters are merged before saving.", NON_NEGATIVE)
     sft_max_len: int = _f(768, "`dreamgym train-mexp`: longest example in tokens; longer ones are skipped.", POSITIVE)
     sft_max_examples: int = _f(0, "`dreamgym train-mexp`: cap on training examples (0 = all).", NON_NEGATIVE)
+    sft_outcome_weight: float = _f(1.0, "`dreamgym train-mexp`: weight of the reward and done tokens in the SFT loss, a weighted token mean (1 = the paper's Eq. 5; they are ~4 of ~150 target tokens).", POSITIVE)
     sft_reward_share: float = _f(0.0, "`dreamgym train-mexp`: with sft_max_examples, draw this share of the capped examples from rewarded steps (outcome rewards are rare, and Mexp must learn when a task is won); 0 = a uniform draw.", UNIT)
     sft_device: str = _f("cpu", "`dreamgym train-mexp` (and the Mexp SFT `dreamgym train` runs when it has no checkpoint): torch device it trains on, 'cpu', 'cuda' or 'cuda:N'. Checked at start; does not change the cache key of the SFT checkpoint.", DEVICE)
     sft_dtype: str = _f("float32", "`dreamgym train-mexp`: compute precision. 'bfloat16' is mixed precision (fp32 weights and AdamW state, forward/backward under bf16 autocast; see learner/precision.py); the saved checkpoint stays fp32.", _one_of("float32", "bfloat16"))

@@ -16,7 +16,10 @@ loss, measured before and after training.
 
 Departures: the <think> target is the environment-derived rationale the dataset
 stores (`Step.reasoning`, e.g. TextWorld fact differences), not a teacher LLM's
-reasoning; examples longer than `sft_max_len` tokens are skipped, not truncated.
+reasoning; `sft_outcome_weight` can count the few reward and done tokens more than once
+in the mean (they are ~4 of ~150 target tokens, and a 135M Mexp trained on the plain
+mean wrote "the goal is reached" and then reward 0); `sft_reward_share` can draw
+more rewarded steps than their natural share when examples are capped; examples longer than `sft_max_len` tokens are skipped, not truncated.
 SmolLM2 by default, full fine-tuning or LoRA (peft; adapters merged before saving).
 The output directory is a plain Hugging Face model + tokenizer, which the embedded
 engine loads through `/update_weights_from_disk`.
@@ -63,21 +66,28 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]  # IGNORE on prompt tokens
     reasoning: list[bool]  # True on target tokens of the <think> part
+    outcome: list[bool]  # True on target tokens of the <reward> and <done> blocks (and EOS)
 
 
 def encode_example(tokenizer: Any, ex: MexpExample, max_len: int) -> Encoded | None:
     """Prompt + reasoning + rest + EOS; None if longer than max_len.
 
     The prompt is tokenized on its own, as the engine tokenizes it at inference, and
-    the target after it, so training sees the token boundary inference sees.
+    the target after it, so training sees the token boundary inference sees. The
+    outcome tokens are those whose text reaches into `<reward>…</done>` (a token that
+    merges "</state>" into "<reward>" counts).
     """
     p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
     r = tokenizer(ex.reasoning_target, add_special_tokens=False)["input_ids"] if ex.reasoning_target else []
-    s = tokenizer(ex.rest_target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    enc = tokenizer(ex.rest_target, add_special_tokens=False, return_offsets_mapping=True)
+    tail = ex.rest_target.rfind("<reward>")
+    outcome = [end > tail >= 0 for _start, end in enc["offset_mapping"]] + [True]
+    s = list(enc["input_ids"]) + [tokenizer.eos_token_id]
     ids = p + r + s
     if len(ids) > max_len:
         return None
-    return Encoded(ids, [IGNORE] * len(p) + r + s, [False] * len(p) + [True] * len(r) + [False] * len(s))
+    return Encoded(ids, [IGNORE] * len(p) + r + s, [False] * len(p) + [True] * len(r) + [False] * len(s),
+                   [False] * (len(p) + len(r)) + outcome)
 
 
 def _collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
@@ -85,14 +95,23 @@ def _collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     ids = torch.full((len(batch), n), pad_id, dtype=torch.long)
     labels = torch.full((len(batch), n), IGNORE, dtype=torch.long)
     reas = torch.zeros((len(batch), n), dtype=torch.bool)
+    outcome = torch.zeros((len(batch), n), dtype=torch.bool)
     mask = torch.zeros((len(batch), n), dtype=torch.long)
     for i, e in enumerate(batch):
         k = len(e.input_ids)
         ids[i, :k] = torch.tensor(e.input_ids)
         labels[i, :k] = torch.tensor(e.labels)
         reas[i, :k] = torch.tensor(e.reasoning)
+        outcome[i, :k] = torch.tensor(e.outcome)
         mask[i, :k] = 1
-    return {"input_ids": ids, "labels": labels, "reasoning": reas, "attention_mask": mask}
+    return {"input_ids": ids, "labels": labels, "reasoning": reas, "outcome": outcome, "attention_mask": mask}
+
+
+def sft_loss(nll: torch.Tensor, target: torch.Tensor, outcome: torch.Tensor, outcome_weight: float) -> torch.Tensor:
+    """Eq. 5 as a token mean over the target, with the outcome tokens (reward, done) counted
+    `outcome_weight` times: a weighted mean, so 1.0 is the paper's unweighted loss."""
+    w = target.float() * torch.where(outcome, outcome_weight, 1.0)
+    return (nll * w).sum() / w.sum().clamp(min=1e-8)
 
 
 def token_losses(model: Any, batch: dict[str, torch.Tensor],
@@ -101,7 +120,7 @@ def token_losses(model: Any, batch: dict[str, torch.Tensor],
 
     The batch moves to the model's device; the forward runs under `precision`'s autocast."""
     device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = {k: v.to(device) for k, v in batch.items() if k != "outcome"}
     with (precision or Precision()).autocast():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     labels = batch["labels"][:, 1:]
@@ -154,8 +173,7 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
             for i in range(0, len(order), cfg.sft_batch_size):
                 batch = _collate([train_data[j] for j in order[i:i + cfg.sft_batch_size]], pad)
                 nll, reas, rest = token_losses(model, batch, precision)
-                target = reas | rest
-                loss = nll[target].sum() / target.sum().clamp(min=1)  # Eq. 5, token-mean over the target
+                loss = sft_loss(nll, reas | rest, batch["outcome"][:, 1:].to(nll.device), cfg.sft_outcome_weight)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -285,13 +303,15 @@ def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int
     """What a cached Mexp SFT checkpoint depends on; the driver keys its cache directory by it.
     The device does not shape the weights (beyond float rounding); bf16 compute does, and float32,
     the default, stays out of the key so the caches written before `sft_dtype` existed still count
-    (as does `sft_reward_share` at its default, 0)."""
+    (as do `sft_reward_share` and `sft_outcome_weight` at their defaults)."""
     shaping = section_settings(cfg, SHAPING_FIELDS, prefixes=("sft_",))
     del shaping["sft_device"]
     if shaping["sft_dtype"] == "float32":
         del shaping["sft_dtype"]
     if not shaping["sft_reward_share"]:  # the default draw, as before the setting existed
         del shaping["sft_reward_share"]
+    if shaping["sft_outcome_weight"] == 1.0:  # the unweighted loss, as before the setting existed
+        del shaping["sft_outcome_weight"]
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT, **shaping}
 
 

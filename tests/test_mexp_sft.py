@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from infra.config import SimulatorConfig
 from infra.schema import Task
-from learner.mexp_sft import IGNORE, cache_settings, cap_examples, encode_example, run_sft
+from learner.mexp_sft import IGNORE, cache_settings, cap_examples, encode_example, run_sft, sft_loss
 from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
 from simulator.mexp_output import MexpOutput, parse_mexp_output
 
@@ -102,3 +103,39 @@ def test_capped_examples_take_the_asked_share_of_rewarded_steps():
     # The share shapes the checkpoint, so it keys the SFT cache; its default leaves older caches valid.
     assert "sft_reward_share" not in cache_settings(SimulatorConfig(), "m", "o", 0)
     assert cache_settings(SimulatorConfig(sft_reward_share=0.4), "m", "o", 0)["sft_reward_share"] == 0.4
+    assert cache_settings(SimulatorConfig(sft_outcome_weight=5.0), "m", "o", 0)["sft_outcome_weight"] == 5.0
+    assert "sft_outcome_weight" not in cache_settings(SimulatorConfig(), "m", "o", 0)
+
+
+def test_outcome_weighted_loss_against_a_plain_loop():
+    g = torch.Generator().manual_seed(0)
+    nll = torch.rand(3, 7, generator=g)
+    target = torch.rand(3, 7, generator=g) > 0.3
+    outcome = torch.rand(3, 7, generator=g) > 0.6
+    for weight in (1.0, 5.0):
+        num = den = 0.0
+        for i in range(3):
+            for j in range(7):
+                if target[i, j]:
+                    w = weight if outcome[i, j] else 1.0
+                    num += w * float(nll[i, j])
+                    den += w
+        assert abs(float(sft_loss(nll, target, outcome, weight)) - num / den) < 1e-6
+    assert torch.allclose(sft_loss(nll, target, outcome, 1.0), nll[target].mean())  # Eq. 5 unweighted
+
+
+def test_outcome_mask_covers_the_reward_and_done_tokens():
+    from infra.engine.models import load_tokenizer
+
+    tok = load_tokenizer()
+    for reward, done in ((1.0, True), (0.0, False)):
+        ex = _example(0, reward)
+        rest = f"<state>\nRoom: hall\n[1] go north\n</state>\n<reward>{reward:g}</reward>\n<done>{str(done).lower()}</done>"
+        ex.prompt, ex.reasoning_target, ex.rest_target = "<|im_start|>assistant\n<think>", "moved</think>\n", rest
+        enc = encode_example(tok, ex, 4096)
+        marked = tok.decode([i for i, o in zip(enc.input_ids, enc.outcome) if o])
+        unmarked_target = tok.decode([i for i, o, lab in zip(enc.input_ids, enc.outcome, enc.labels)
+                                      if not o and lab != IGNORE])
+        assert marked.endswith(f"<reward>{reward:g}</reward>\n<done>{str(done).lower()}</done>" + tok.eos_token)
+        assert "reward" not in unmarked_target and "[1] go north" in unmarked_target
+        assert not any(enc.outcome[:enc.labels.count(IGNORE)])  # never a prompt token

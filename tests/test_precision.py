@@ -116,10 +116,11 @@ def test_a_bf16_optimizer_step_keeps_fp32_master_weights_and_adam_state(tiny):
 def test_mexp_sft_in_bf16_trains_fp32_weights(tiny):
     model, tok = tiny
     ids = tok("<|im_start|>user\nThe door is open.<|im_end|>\n", add_special_tokens=False)["input_ids"]
-    data = [mexp_sft.Encoded(ids, [mexp_sft.IGNORE] * 4 + ids[4:], [False] * 4 + [True] * 3 + [False] * (len(ids) - 7))
+    data = [mexp_sft.Encoded(ids, [mexp_sft.IGNORE] * 4 + ids[4:], [False] * 4 + [True] * 3 + [False] * (len(ids) - 7),
+                             [False] * (len(ids) - 2) + [True] * 2)
             for _ in range(4)]
     net = copy.deepcopy(model)
-    report = mexp_sft.train(net, tok, data, data[:2], SimulatorConfig(sft_dtype="bfloat16", sft_batch_size=2,
+    report = mexp_sft.train(net, tok, data, data[:2], SimulatorConfig(sft_dtype="bfloat16", sft_batch_size=2, sft_outcome_weight=4.0,
                                                                        sft_lr=1e-3), progress=False)
     assert all(math.isfinite(x) for x in report["train_curve"]) and len(report["train_curve"]) == 2
     assert report["after"]["loss_all"] < report["before"]["loss_all"]
