@@ -16,10 +16,11 @@ loss, measured before and after training.
 
 Departures: the <think> target is the environment-derived rationale the dataset
 stores (`Step.reasoning`, e.g. TextWorld fact differences), not a teacher LLM's
-reasoning; `sft_outcome_weight` can count the few reward and done tokens more than once
-in the mean (they are ~4 of ~150 target tokens, and a 135M Mexp trained on the plain
-mean wrote "the goal is reached" and then reward 0); `sft_reward_share` can draw
-more rewarded steps than their natural share when examples are capped; examples longer than `sft_max_len` tokens are skipped, not truncated.
+reasoning; examples longer than `sft_max_len` tokens are skipped, not truncated;
+`sft_outcome_weight` can count the few reward and done tokens more than once in the
+mean (they are ~4 of ~150 target tokens, and a 135M Mexp trained on the plain mean
+wrote "the goal is reached" and then reward 0); `sft_reward_share` can draw more
+rewarded steps than their natural share when examples are capped.
 SmolLM2 by default, full fine-tuning or LoRA (peft; adapters merged before saving).
 The output directory is a plain Hugging Face model + tokenizer, which the embedded
 engine loads through `/update_weights_from_disk`.
@@ -120,7 +121,7 @@ def token_losses(model: Any, batch: dict[str, torch.Tensor],
 
     The batch moves to the model's device; the forward runs under `precision`'s autocast."""
     device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in batch.items() if k != "outcome"}
+    batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels", "reasoning")}
     with (precision or Precision()).autocast():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     labels = batch["labels"][:, 1:]

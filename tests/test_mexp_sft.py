@@ -57,8 +57,10 @@ def test_examples_are_the_inference_prompt_and_a_parseable_target(data_dir):
 @pytest.mark.model
 async def test_short_sft_lowers_heldout_loss_and_checkpoint_serves(data_dir, smollm2, tmp_path):
     # Kept tiny for CI (8 sequences of ~500 tokens); retrieval's path is covered by the example-builder test.
+    # With the preset's rebalancing on (half the capped examples rewarded, outcome tokens weighted).
     cfg = SimulatorConfig(retrieval=False, history_window=1, sft_max_examples=4, sft_max_heldout=2, sft_epochs=2,
-                          sft_batch_size=2, sft_lora_rank=8, sft_lr=3e-3, heldout_frac=0.34)
+                          sft_batch_size=2, sft_lora_rank=8, sft_lr=3e-3, heldout_frac=0.34, sft_reward_share=0.5,
+                          sft_outcome_weight=3.0)
     report = run_sft(cfg, data_dir, tmp_path / "mexp", progress=False)
     before, after = report["before"], report["after"]
     assert after["loss_all"] < before["loss_all"] - 0.05, report
