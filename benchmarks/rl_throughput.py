@@ -7,7 +7,9 @@ and the policy, rollout workers playing the curriculum's tasks in the synthetic
 environment, and the GRPO learner. It prints synthetic trajectories/s (pushed by the
 workers), learner updates/min and learner tokens/s (tokens through the policy in the
 updates' forward/backward passes, from `learner_tokens_total`, over the phase's wall
-time), with the load average beside each figure.
+time), with the load average beside each figure. Under each setting it prints each embedded
+engine's own counters (requests, tokens generated, mean decode batch, prompt tokens and those
+served from the prefix cache): where the rollout time went.
 
 Settings: "old" is today's defaults before issue 13 (per-step prompts, no prefix cache,
 the learner at the engines' priority and thread count); "new" switches on each
@@ -44,6 +46,9 @@ import os
 import sys
 import time
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rich.console import Console  # noqa: E402
@@ -71,6 +76,18 @@ def counter(c) -> float:
     return float(c._value.get())  # the process-wide prometheus counter
 
 
+async def engine_figures(url: str) -> dict:
+    """An embedded engine's own counters (its /metrics): decode batches, generated and prompt tokens."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {"forwards": values.get("engine_batch_size_count", 0.0), "rows": values.get("engine_batch_size_sum", 0.0),
+            "generated": values.get("engine_server_generated_tokens_total", 0.0),
+            "prompt": values.get("engine_prompt_tokens_total", 0.0),
+            "cached": values.get("engine_prefix_cached_tokens_total", 0.0),
+            "requests": values.get("engine_server_request_seconds_count", 0.0)}
+
+
 def setting_overrides(name: str, args: argparse.Namespace) -> dict:
     out = dict(OLD)
     if name == "new":
@@ -96,12 +113,14 @@ async def measure(cfg: Config, name: str, seconds: float, mexp: str | None, cons
         phase = await rl_phase(cfg, svc, learner, curriculum, history, name, cfg.learner.total_updates, console)
         tokens = counter(metrics.LEARNER_TOKENS) - tokens0
         busy = sum(r.get("update_s", 0.0) for r in history.rows)
+        engines = {role: await engine_figures(client.urls[0]) for role, client in (("mexp", svc.mexp), ("policy", svc.policy))
+                   if client is not None and not cfg.engines.mexp_endpoints and not cfg.engines.policy_endpoints}
     s = phase["seconds"]
     return {"setting": name, "seconds": s, "trajectories": phase["trajectories_pushed"],
             "traj_per_s": phase["trajectories_pushed"] / s, "updates": phase["updates"],
             "updates_per_min": 60 * phase["updates"] / s, "tokens": int(tokens), "tokens_per_s": tokens / s,
             "update_s": busy, "tokens_per_update_s": tokens / busy if busy else 0.0,
-            "steps": phase["synthetic_transitions"], "load_before": load0, "load_after": os.getloadavg()}
+            "steps": phase["synthetic_transitions"], "engines": engines, "load_before": load0, "load_after": os.getloadavg()}
 
 
 def main() -> None:
@@ -130,6 +149,11 @@ def main() -> None:
         print(f"{name}: {r['trajectories']} trajectories, {r['updates']} updates, {r['tokens']} learner tokens "
               f"in {r['seconds']:.0f} s  (load before {r['load_before'][0]:.2f}, after {r['load_after'][0]:.2f})",
               flush=True)
+        for role, e in r["engines"].items():  # where the rollout time goes: the engines' own counters
+            print(f"  {role} engine: {e['requests']:.0f} requests, {e['generated']:.0f} tokens generated "
+                  f"({e['generated'] / r['seconds']:.1f}/s), mean forward batch {e['rows'] / max(e['forwards'], 1):.1f} "
+                  f"over {e['forwards']:.0f} forwards, {e['prompt']:.0f} prompt tokens of which {e['cached']:.0f} "
+                  f"from the prefix cache", flush=True)
     print(f"\n{'setting':>8} {'traj/s':>8} {'updates/min':>12} {'learner tok/s':>14} {'tok/s in updates':>17} "
           f"{'s/update':>9} {'steps':>6}  load(1m) at end")
     for r in results:
