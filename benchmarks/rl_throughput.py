@@ -114,9 +114,9 @@ async def measure(cfg: Config, name: str, seconds: float, mexp: str | None, cons
         tokens = counter(metrics.LEARNER_TOKENS) - tokens0
         busy = sum(r.get("update_s", 0.0) for r in history.rows)
         e = cfg.engines  # our engines' counters only: configured endpoints and SGLang name theirs otherwise
-        ours = {"mexp": not e.mexp_endpoints and e.launch != "sglang", "policy": not e.policy_endpoints and e.launch != "sglang"}
-        engines = {role: await engine_figures(client.urls[0]) for role, client in (("mexp", svc.mexp), ("policy", svc.policy))
-                   if client is not None and ours[role]}
+        engines = {role: await engine_figures(client.urls[0])
+                   for role, client, endpoints in (("mexp", svc.mexp, e.mexp_endpoints), ("policy", svc.policy, e.policy_endpoints))
+                   if client is not None and not endpoints and e.launch != "sglang"}
     s = phase["seconds"]
     return {"setting": name, "seconds": s, "trajectories": phase["trajectories_pushed"],
             "traj_per_s": phase["trajectories_pushed"] / s, "updates": phase["updates"],

@@ -41,16 +41,11 @@ def test_async_vs_sync_runs_and_prints_its_ratio():
     assert "load " in out
 
 
-def test_rl_throughput_runs_and_prints_each_engines_counters(tmp_path, tiny_dir, tw_data_dir):
+def test_rl_throughput_runs_and_prints_each_engines_counters(tiny_run, tiny_dir):
     """The RL-phase benchmark end to end on the tiny model (as Mexp and policy, so no SFT): its table
     and, under the setting, each embedded engine's counters read from that engine's /metrics."""
-    out = run_benchmark(
-        "rl_throughput.py", "--settings", "new", "--seconds", "10", "--mexp", str(tiny_dir), "--set",
-        f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tw_data_dir}", f"engines.model={tiny_dir}",
-        "data.textworld_games=2", "data.textworld_heldout=1", "data.textworld_families=[custom]",
-        "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1", "actors.num_workers=1",
-        "actors.group_size=2", "actors.concurrent_episodes=2", "actors.max_steps=2", "learner.algo=ppo",
-        "learner.groups_per_update=1", "curriculum.variants_per_seed=0", timeout=300)
+    out = run_benchmark("rl_throughput.py", "--settings", "new", "--seconds", "10", "--mexp", str(tiny_dir), "--set",
+                        *tiny_run, "actors.env_kind=synthetic", "learner.algo=ppo", timeout=300)
     engines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and " engine: " in line}
     assert set(engines) == {"mexp", "policy"}, out
     mexp = engines["mexp"].split()
