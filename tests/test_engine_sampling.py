@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from infra.engine.sampling import nucleus, sample_tokens
+from infra.engine.sampling import draw, nucleus, sample_tokens
 
 
 def reference_nucleus(probs: list[float], top_p: float) -> dict[int, float]:
@@ -87,3 +87,17 @@ def test_engine_device_option_is_validated():
     assert load_config(overrides=["engines.device=cuda:1"]).engines.device == "cuda:1"
     with pytest.raises(Exception, match="engines.device"):
         load_config(overrides=["engines.device=gpu"])
+
+
+def test_inverse_cdf_draw_matches_the_weights_and_never_draws_a_zero_weight():
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.0, 6.0, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    n = 20000
+    counts = [0] * len(weights)
+    for _ in range(n):
+        counts[draw(weights, gen)] += 1
+    assert counts[0] == counts[2] == counts[4] == counts[6] == 0
+    for c, w in zip(counts, (weights / weights.sum()).tolist()):
+        assert abs(c / n - w) < 0.015
+    # seeded: the same generator state draws the same index
+    assert [draw(weights, torch.Generator().manual_seed(9)) for _ in range(3)] == [draw(weights, torch.Generator().manual_seed(9))] * 3

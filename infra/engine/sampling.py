@@ -13,7 +13,10 @@ Speed: a full sort of a 49k vocabulary per row per step was a third of a decode
 step at batch 16 on this CPU. The nucleus almost always lies within the few hundred
 most likely tokens, so `nucleus` looks there first (one batched top-k) and sorts
 the whole row only when those candidates hold less than p of the mass; the result
-is exactly the full-sort nucleus (tested against that reference).
+is exactly the full-sort nucleus (tested against that reference). A full-vocabulary
+draw (top_p 1) inverts the row's CDF with one uniform number (`draw`) instead of
+calling `torch.multinomial`, which draws an exponential variate for each of the
+49k tokens: 1.35 ms a row, 7 % of a decode step at batch 14 on this CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ def nucleus(probs: torch.Tensor, top_p: float, candidates: tuple[torch.Tensor, t
         vals, idx = torch.sort(probs, descending=True)
     keep = (vals.cumsum(-1) - vals) < top_p  # mass strictly before a token is below p
     return idx[keep], vals[keep]
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn with probability proportional to the non-negative row `probs` (inverse CDF).
+
+    Index i is drawn when u * total lands in [cdf[i-1], cdf[i]), so a zero-weight index is never drawn.
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand((), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u[None], right=True))
+    if i < probs.shape[-1]:
+        return i
+    return int((probs > 0).nonzero()[-1])  # u * total rounded up to the total: the last index with weight
 
 
 def sample_tokens(logits: torch.Tensor, temperatures: list[float], top_ps: list[float], top_ks: list[int],
@@ -68,7 +84,7 @@ def sample_tokens(logits: torch.Tensor, temperatures: list[float], top_ps: list[
         if top_ps[i] < 1.0:
             ids, weights = nucleus(probs[j], top_ps[i], (cand.values[c], cand.indices[c]))
             c += 1
-            out[i] = int(ids[torch.multinomial(weights, 1, generator=generators[i])])
+            out[i] = int(ids[draw(weights, generators[i])])
         else:
-            out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+            out[i] = draw(probs[j], generators[i])
     return out
