@@ -79,6 +79,7 @@ class GroupBatcher:
         self._seen: "OrderedDict[str, None]" = OrderedDict()
         self._ready: list[Unit] = []
         self._discarded: dict[str, int] = {}
+        self.set_aside: dict[str, int] = {}  # trajectories set aside by outcome, since this process started
 
     @property
     def units_needed(self) -> int:
@@ -90,6 +91,11 @@ class GroupBatcher:
         """Task groups the next update still waits for (set-aside ones do not count; PPO: trajectories / G)."""
         per_group = 1 if self.cfg.algo == "grpo" else self.group_size
         return -(-max(0, self.units_needed - len(self._ready)) // per_group)
+
+    @property
+    def waiting(self) -> int:
+        """Trajectories read and kept for an update not made yet: members of incomplete groups and ready units."""
+        return sum(len(m) for m in self._groups.values()) + sum(len(u.trajs) for u in self._ready)
 
     @property
     def discarded(self) -> dict[str, int]:
@@ -207,6 +213,7 @@ class GroupBatcher:
         if n:
             metrics.LEARNER_TRAJECTORIES.labels(outcome).inc(n)
             self._discarded[outcome] = self._discarded.get(outcome, 0) + n
+            self.set_aside[outcome] = self.set_aside.get(outcome, 0) + n
 
     def _release(self, trajs: list[Trajectory]) -> None:
         for t in trajs:

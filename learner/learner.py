@@ -145,6 +145,16 @@ class Learner:
         return self.batches.discarded
 
     @property
+    def set_aside(self) -> dict[str, int]:
+        """Trajectories set aside (zero_variance, stale, broken, duplicate, ...) since this learner started."""
+        return dict(self.batches.set_aside)
+
+    @property
+    def waiting(self) -> int:
+        """Trajectories read and held for an update not made yet."""
+        return self.batches.waiting
+
+    @property
     def groups_missing(self) -> int:
         """Task groups the next update still waits for (the synchronous schedule pushes that many tasks)."""
         return self.batches.groups_missing

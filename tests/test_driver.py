@@ -61,6 +61,11 @@ async def test_train_sync_rolls_out_then_trains(tiny_run, tmp_path):
     summary = await train(cfg, "in-sync", evaluate=False)
     assert summary["sync"] and summary["updates"] == 2
     assert summary["trajectories_trained"] == 4 and summary["trajectories_pushed"] >= 4
+    # Every pushed trajectory is accounted for: trained, set aside by the learner (by outcome), or held.
+    phase = summary["phases"][0]
+    assert all(n > 0 for n in phase["trajectories_set_aside"].values())
+    assert phase["trajectories_pushed"] == (summary["trajectories_trained"] + sum(phase["trajectories_set_aside"].values())
+                                            + phase["trajectories_waiting"])
 
 
 @pytest.mark.ray

@@ -182,10 +182,10 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
     if updates0 >= until:  # a resumed run whose checkpoint already holds this phase: start no workers
         console.print(f"{label}: already at {updates0} of {until} updates (resumed); nothing to roll out")
         return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": 0, "real_transitions": 0,
-                "synthetic_transitions": 0, "trajectories_pushed": 0, "transition_budget_spent": False,
-                "seconds": 0.0}
+                "synthetic_transitions": 0, "trajectories_pushed": 0, "trajectories_set_aside": {},
+                "trajectories_waiting": 0, "transition_budget_spent": False, "seconds": 0.0}
     real = StepBudget(svc.client, svc.prefix, cfg.actors.real_transitions) if cfg.actors.env_kind == "real" else None
-    counts0 = await run_counts(svc.client, svc.prefix)
+    counts0, aside0 = await run_counts(svc.client, svc.prefix), learner.set_aside
     curriculum.real_only = real is not None
     stop = budget(cfg.infra.train_budget_s)
     with report.training_progress(console, cfg, learner, history, label, until) as record:
@@ -212,6 +212,10 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
             "real_transitions": await real.used() if real is not None else 0,
             "synthetic_transitions": counts["synthetic_steps_pushed"] - counts0["synthetic_steps_pushed"],
             "trajectories_pushed": counts["trajectories_pushed"] - counts0["trajectories_pushed"],
+            # where the pushed ones went: set aside by the learner (by outcome), or still held for an update
+            "trajectories_set_aside": {k: n - aside0.get(k, 0) for k, n in learner.set_aside.items()
+                                       if n > aside0.get(k, 0)},
+            "trajectories_waiting": learner.waiting,
             "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1)}
 
 

@@ -186,9 +186,11 @@ def markdown(s: dict, images: list[str]) -> str:
              "| transitions | count |", "|---|---|",
              *(f"| {k.replace('_', ' ')} | {v} |" for k, v in tr.items()), ""]
     if s.get("phases"):
-        lines += ["| phase | updates | seconds | trajectories pushed |", "|---|---|---|---|",
-                  *(f"| {p['phase']} | {p['updates']} | {p['seconds']} | {p['trajectories_pushed']} |"
-                    for p in s["phases"]), ""]
+        lines += ["| phase | updates | seconds | trajectories pushed | set aside by the learner | held for an update |",
+                  "|---|---|---|---|---|---|",
+                  *(f"| {p['phase']} | {p['updates']} | {p['seconds']} | {p['trajectories_pushed']} | "
+                    f"{', '.join(f'{k} {n}' for k, n in sorted(p.get('trajectories_set_aside', {}).items())) or '-'} | "
+                    f"{p.get('trajectories_waiting', '-')} |" for p in s["phases"]), ""]
     fid = s.get("mexp_fidelity")
     if fid:
         lines += ["Mexp fidelity before RL: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"

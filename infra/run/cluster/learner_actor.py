@@ -52,7 +52,8 @@ class LearnerActor:
         lr = self.learner
         return {"updates": lr.updates, "version": lr.version, "groups_missing": lr.groups_missing,
                 "redelivered": lr.redelivered, "dead_lettered": lr.dead_lettered,
-                "failed_updates": dict(lr.failed_updates), "trained": lr.trained}
+                "failed_updates": dict(lr.failed_updates), "trained": lr.trained, "set_aside": lr.set_aside,
+                "waiting": lr.waiting}
 
     async def step(self, final: bool = False) -> tuple[UpdateStats | None, dict]:
         return await self.learner.step(final), self.state()
@@ -107,6 +108,9 @@ class LearnerHandle:
     failed_updates = property(lambda self: self._state["failed_updates"])
 
     trained = property(lambda self: self._state["trained"])
+    # as of the last step the actor answered (the driver reads them when a phase ends)
+    set_aside = property(lambda self: dict(self._state["set_aside"]))
+    waiting = property(lambda self: self._state["waiting"])
 
     def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         ray.get(self.actor.register_state.remote(name, get, set_), timeout=120)
