@@ -20,7 +20,10 @@ measured within this run, never across runs):
    of every Linear) at 16 concurrent, with their log-prob gap to fp32 and how often
    their greedy token agrees with fp32's on one prompt (the engine serves fp32 or bf16
    only: int8 was measured and rejected, see the issue note);
-7. with `--compare-url`, any OpenAI-compatible `/v1/completions` server (llama.cpp's)
+7. the sampler alone (`sampler`): one token for each of 16 rows of vocabulary-wide logits at
+   temperature 0.7 (Mexp's), the engine's `sample_tokens` against `torch.multinomial` over
+   the softmax, the call it replaced; the decode sections above are greedy and skip it;
+8. with `--compare-url`, any OpenAI-compatible `/v1/completions` server (llama.cpp's)
    at the same concurrency, prompts and token counts.
 
     python benchmarks/engine_throughput.py [--tokens 64] [--compare-url http://127.0.0.1:8000]
@@ -59,7 +62,7 @@ PRESETS = {
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=49152, max_position_embeddings=4096),
 }
-SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "compare")
+SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "compare")
 
 TOPICS = ["a lighthouse", "the moon", "a robot cook", "an old map", "a quiet library", "a mountain village",
           "a lost key", "the ocean", "a clockmaker", "a desert train", "a winter garden", "a paper boat",
@@ -207,6 +210,30 @@ async def openai_rate(url: str, texts: list[str], tokens: int, concurrency: int)
         return done / (time.perf_counter() - t0)
 
 
+def sampler_ms(rows: int, vocab: int, temperature: float = 0.7, repeats: int = 30) -> tuple[float, float]:
+    """Median ms to draw one token per row: (torch.multinomial over the softmax, the engine's sample_tokens)."""
+    from infra.engine.sampling import sample_tokens
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+
+    def multinomial() -> list[int]:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return [int(torch.multinomial(probs[i], 1)) for i in range(rows)]
+
+    def ours() -> list[int]:
+        return sample_tokens(logits, [temperature] * rows, [1.0] * rows, [-1] * rows, [None] * rows)
+
+    def median(f) -> float:
+        f()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * sorted(ts)[len(ts) // 2]
+    return median(multinomial), median(ours)
+
+
 def int8_dynamic(model):
     """A copy with every Linear quantized dynamically to int8 (torch.ao; CPU only), to measure, not to serve."""
     import copy
@@ -329,6 +356,11 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
                 del m
             ratios += [f"{d} / float32 {rows[f'dtype {d}'] / rows['dtype float32']:.2f}x"
                        for d in args.dtypes.split(",") if d != "float32" and "dtype float32" in rows]
+        if "sampler" in sections:
+            ref, ours = sampler_ms(top, model.config.vocab_size)
+            print(f"sampler, {top} rows x {model.config.vocab_size} at T=0.7: torch.multinomial {ref:6.2f} ms, "
+                  f"sample_tokens {ours:6.2f} ms per decode step  {la()}")
+            ratios.append(f"sampler: multinomial / ours {ref / ours:.1f}x")
         if "compare" in sections and args.compare_url:
             rate = await openai_rate(args.compare_url, texts[: top * args.rounds], args.tokens, top)
             ours = rows.get(f"engine@{top}") or await engine_at(top)
