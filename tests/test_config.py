@@ -18,9 +18,9 @@ def test_presets_load(name):
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(CONFIGS / "quickstart.yaml", ["learner.lr=1e-5", "actors.num_workers=3", "curriculum.enabled=false",
+    cfg = load_config(CONFIGS / "quickstart.yaml", ["learner.lr=3e-5", "actors.num_workers=3", "curriculum.enabled=false",
                                                      "engines.mexp_endpoints=[http://a:1, http://b:2]"])
-    assert cfg.learner.lr == 1e-5 and cfg.actors.num_workers == 3 and cfg.curriculum.enabled is False
+    assert cfg.learner.lr == 3e-5 and cfg.actors.num_workers == 3 and cfg.curriculum.enabled is False
     assert cfg.engines.mexp_endpoints == ["http://a:1", "http://b:2"]
 
 
