@@ -122,7 +122,7 @@ async def measure(cfg: Config, name: str, seconds: float, mexp: str | None, cons
             "traj_per_s": phase["trajectories_pushed"] / s, "updates": phase["updates"],
             "updates_per_min": 60 * phase["updates"] / s, "tokens": int(tokens), "tokens_per_s": tokens / s,
             "update_s": busy, "tokens_per_update_s": tokens / busy if busy else 0.0,
-            "steps": phase["synthetic_transitions"], "engines": engines, "load_before": load0, "load_after": os.getloadavg()}
+            "steps": phase["synthetic_transitions"], "set_aside": phase["trajectories_set_aside"], "engines": engines, "load_before": load0, "load_after": os.getloadavg()}
 
 
 def main() -> None:
@@ -151,6 +151,8 @@ def main() -> None:
         print(f"{name}: {r['trajectories']} trajectories, {r['updates']} updates, {r['tokens']} learner tokens "
               f"in {r['seconds']:.0f} s  (load before {r['load_before'][0]:.2f}, after {r['load_after'][0]:.2f})",
               flush=True)
+        aside = ", ".join(f"{k} {n}" for k, n in sorted(r["set_aside"].items())) or "none"
+        print(f"  set aside by the learner: {aside}", flush=True)  # why trajectories did not become updates
         for role, e in r["engines"].items():  # where the rollout time goes: the engines' own counters
             print(f"  {role} engine: {e['requests']:.0f} requests, {e['generated']:.0f} tokens generated "
                   f"({e['generated'] / r['seconds']:.1f}/s), mean forward batch {e['rows'] / max(e['forwards'], 1):.1f} "

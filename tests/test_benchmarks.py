@@ -51,3 +51,4 @@ def test_rl_throughput_runs_and_prints_each_engines_counters(tiny_run, tiny_dir)
     mexp = engines["mexp"].split()
     assert int(mexp[2]) > 0 and int(mexp[4]) > 0, engines["mexp"]  # requests served, tokens generated
     assert "mean forward batch" in engines["mexp"] and "load(1m) at end" in out
+    assert any(line.startswith("  set aside by the learner: ") for line in out.splitlines()), out

@@ -104,6 +104,7 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     assert changed, "no trainable parameter moved"
     assert learner.consumed_ids == [a[0].trajectory_id, a[1].trajectory_id]
     assert s1.discarded == {"zero_variance": 2, "broken": 2}
+    assert learner.set_aside == {"zero_variance": 2, "broken": 2} and learner.waiting == 1  # c1 waits for its partner
     assert published_versions(tmp_path) == []  # publish_every=2
 
     # Version 1 now, max_staleness 0: a version-0 group is stale, a version-1 group trains.
@@ -114,9 +115,11 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     assert s2.version == 2 and learner.consumed_ids[2:] == [e[0].trajectory_id, e[1].trajectory_id]
     assert published_versions(tmp_path) == [2]
     assert s2.discarded == {"stale": 2} and learner.staleness.counts().dropped == 2
+    assert learner.set_aside == {"zero_variance": 2, "broken": 2, "stale": 2}  # since the start, not per update
     # A duplicate delivery (the producer retried) of a consumed trajectory is acked, not trained.
     await producer.add([encode(e[0])])
     assert await learner.step() is None
+    assert learner.set_aside["duplicate"] == 1
     info = {g["name"].decode(): g for g in await client.xinfo_groups(stream)}
     assert info["learner"]["pending"] == 1  # only c1: held, waiting for its group
     assert ckpt.latest(tmp_path).name == "step_000002"
