@@ -122,7 +122,8 @@ async def measure(cfg: Config, name: str, seconds: float, mexp: str | None, cons
             "traj_per_s": phase["trajectories_pushed"] / s, "updates": phase["updates"],
             "updates_per_min": 60 * phase["updates"] / s, "tokens": int(tokens), "tokens_per_s": tokens / s,
             "update_s": busy, "tokens_per_update_s": tokens / busy if busy else 0.0,
-            "steps": phase["synthetic_transitions"], "set_aside": phase["trajectories_set_aside"], "engines": engines, "load_before": load0, "load_after": os.getloadavg()}
+            "steps": phase["synthetic_transitions"], "set_aside": phase["trajectories_set_aside"], "engines": engines,
+            "load_before": load0, "load_after": os.getloadavg()}
 
 
 def main() -> None:
