@@ -108,7 +108,7 @@ class LearnerHandle:
     failed_updates = property(lambda self: self._state["failed_updates"])
 
     trained = property(lambda self: self._state["trained"])
-    # as of the last step the actor answered (the driver reads them when a phase ends)
+    # as of the actor's last answer to step(), which the update loop polls until the phase ends
     set_aside = property(lambda self: dict(self._state["set_aside"]))
     waiting = property(lambda self: self._state["waiting"])
 
