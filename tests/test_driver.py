@@ -142,3 +142,21 @@ async def test_train_loads_the_policy_it_built_into_configured_servers(tiny_run,
     built = policy_sft.cache_dir(cfg)
     assert served == str(built.resolve()) and (built / "config.json").exists()
     assert summary["heldout_after"] is not None
+
+
+def test_a_collection_that_yields_nothing_is_an_error_and_caches_nothing(tiny_run, monkeypatch, tmp_path):
+    """Every task's collection failing (say, workers that cannot start) must not leave an empty,
+    stamped trajectories file that later runs would silently reuse as "0 offline trajectories"."""
+    from actors.dataset import trajectories_path
+    from infra.run import artifacts
+
+    cfg = load_config(None, [*tiny_run, f"infra.data_dir={tmp_path / 'data'}"])
+    path = trajectories_path(cfg.infra.data_dir, "textworld")
+    real_collect = artifacts.collect
+    monkeypatch.setattr(artifacts, "collect", lambda *a, **k: [])
+    with pytest.raises(RuntimeError, match="produced no trajectories"):
+        artifacts.prepare_data(cfg)
+    assert not path.exists()
+    monkeypatch.setattr(artifacts, "collect", real_collect)
+    _splits, offline = artifacts.prepare_data(cfg)
+    assert offline and path.exists()

@@ -55,6 +55,9 @@ def prepare_data(cfg: Config, console: Any = None) -> tuple[Any, list]:
         say(console, f"collecting offline {family} trajectories on {len(splits.train)} train tasks ...")
         offline = collect(family, splits.train, list(cfg.data.policies), cfg.data.episodes_per_task,
                           cfg.data.noise_eps, cfg.data.max_steps, cfg.data.workers, seed=cfg.infra.seed)
+        if not offline:  # every task failed: stamping an empty file would make each later run reuse it
+            raise RuntimeError(f"offline {family} collection on {len(splits.train)} train tasks produced no "
+                               "trajectories (each task's error is logged above); nothing was cached")
         write_trajectories(path, offline)
         write_stamp(path, settings)
     say(console, f"data: {len(splits.train)} train / {len(splits.heldout)} held-out tasks, "
