@@ -23,7 +23,12 @@ measured within this run, never across runs):
 7. the sampler alone (`sampler`): one token for each of 16 rows of vocabulary-wide logits at
    temperature 0.7 (Mexp's), the engine's `sample_tokens` against `torch.multinomial` over
    the softmax, the call it replaced; the decode sections above are greedy and skip it;
-8. with `--compare-url`, any OpenAI-compatible `/v1/completions` server (llama.cpp's)
+8. scoring (`scoring`): `--concurrency`'s top level of concurrent policy-shaped scoring
+   requests (a distinct ~250-token prompt each, 8 candidate actions of 2-6 tokens, as a
+   policy in score mode sends per episode step), each answered alone on a pool thread (the
+   engine's path before the scoring queue) against the engine's batched scoring queue
+   (infra/engine/scorer.py), with the largest log-prob gap between the two;
+9. with `--compare-url`, any OpenAI-compatible `/v1/completions` server (llama.cpp's)
    at the same concurrency, prompts and token counts.
 
     python benchmarks/engine_throughput.py [--tokens 64] [--compare-url http://127.0.0.1:8000]
@@ -62,7 +67,7 @@ PRESETS = {
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=49152, max_position_embeddings=4096),
 }
-SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "compare")
+SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "scoring", "compare")
 
 TOPICS = ["a lighthouse", "the moon", "a robot cook", "an old map", "a quiet library", "a mountain village",
           "a lost key", "the ocean", "a clockmaker", "a desert train", "a winter garden", "a paper boat",
@@ -234,6 +239,58 @@ def sampler_ms(rows: int, vocab: int, temperature: float = 0.7, repeats: int = 3
     return median(multinomial), median(ours)
 
 
+def scoring_workload(tok, n: int, candidates: int = 8) -> list[tuple[list[list[int]], int]]:
+    """n policy-shaped scoring requests: (prompts = a distinct prefix + each candidate, start = prefix length)."""
+    out = []
+    for i in range(n):
+        prefix = tok(chat(tok, [RULES + f"Task {i}: explore {TOPICS[i % len(TOPICS)]}. " * 3 +
+                                "Choose the next action.\n" + "\n".join(ACTIONS)]), add_special_tokens=False).input_ids
+        cands = [tok(" " + ACTIONS[(i + j) % len(ACTIONS)], add_special_tokens=False).input_ids[:6]
+                 for j in range(candidates)]
+        out.append(([prefix + c for c in cands], len(prefix)))
+    return out
+
+
+def score_alone(model, prompts: list[list[int]], start: int) -> list[list[float]]:
+    """One request's log-probs on its own: the engine's scoring before the queue (prefix once, candidates batched)."""
+    from infra.engine.scoring import continuation_logprobs
+
+    with torch.no_grad():
+        lps, _ = continuation_logprobs(model, prompts[0][:start], [p[start:] for p in prompts])
+    return [lp.tolist() for lp in lps]
+
+
+async def scoring_rates(model, tok, n: int, concurrency: int) -> tuple[float, float, float]:
+    """(requests/s alone on pool threads, requests/s through the batched queue, largest log-prob gap)."""
+    from infra.engine.batcher import Batcher
+    from infra.engine.scorer import GPU_BATCH_TOKENS
+
+    work = scoring_workload(tok, n)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def timed(call) -> tuple[float, list]:
+        async def one(job):
+            async with gate:
+                return await call(*job)
+        await asyncio.gather(*(one(j) for j in work[:concurrency]))  # warm-up
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(one(j) for j in work))
+        return n / (time.perf_counter() - t0), got
+
+    alone, ref = await timed(lambda prompts, start: asyncio.to_thread(score_alone, model, prompts, start))
+    batcher = Batcher(model, tok, score_batch_tokens=GPU_BATCH_TOKENS)  # batched, whatever the device
+    batcher.start()
+    try:
+        async def queued(prompts, start):
+            rows, _ = await asyncio.wrap_future(batcher.submit_score(prompts, start))
+            return rows
+        batched, got = await timed(queued)
+    finally:
+        batcher.stop()
+    gap = max(abs(a - b) for r, g in zip(ref, got) for ra, ga in zip(r, g) for a, b in zip(ra, ga))
+    return alone, batched, gap
+
+
 def int8_dynamic(model):
     """A copy with every Linear quantized dynamically to int8 (torch.ao; CPU only), to measure, not to serve."""
     import copy
@@ -361,6 +418,13 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
             print(f"sampler, {top} rows x {model.config.vocab_size} at T=0.7: torch.multinomial {ref:6.2f} ms, "
                   f"sample_tokens {ours:6.2f} ms per decode step  {la()}")
             ratios.append(f"sampler: multinomial / ours {ref / ours:.1f}x")
+        if "scoring" in sections:
+            n = max(top * 4, 16)
+            alone, batched, gap = await scoring_rates(model, tok, n, top)
+            print(f"scoring, {n} policy-shaped requests (8 candidates each), {top} concurrent: alone on pool threads "
+                  f"{alone:7.1f} requests/s, batched queue {batched:7.1f} requests/s; largest log-prob gap "
+                  f"{gap:.1e}  {la()}")
+            ratios.append(f"scoring: batched / alone {batched / alone:.2f}x")
         if "compare" in sections and args.compare_url:
             rate = await openai_rate(args.compare_url, texts[: top * args.rounds], args.tokens, top)
             ours = rows.get(f"engine@{top}") or await engine_at(top)

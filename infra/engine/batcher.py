@@ -55,7 +55,7 @@ from infra.engine.prefix_cache import PrefixCache, common_prefix_length
 from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFull, RequestError, RequestFailed,
                                   SamplingParams)
 from infra.engine.sampling import sample_tokens
-from infra.engine.scoring import continuation_logprobs
+from infra.engine.scorer import Scorer, batch_budget
 from infra.metrics import EngineServerMetrics
 
 __all__ = ["Batcher", "EngineStopped", "GenOutput", "GenRequest", "QueueFull", "RequestError", "RequestFailed",
@@ -73,7 +73,7 @@ class Batcher:
 
     def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0,
                  max_prefill_tokens: int = 4096, prefix_cache_mb: float = 0.0, max_queue: int = 1024,
-                 metrics: EngineServerMetrics | None = None):
+                 metrics: EngineServerMetrics | None = None, score_batch_tokens: int = -1):
         self.model = model
         # This engine's own registry: an engine exports its queue, never another's (infra/metrics.py).
         self.metrics = metrics if metrics is not None else EngineServerMetrics()
@@ -103,11 +103,14 @@ class Batcher:
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        # Scoring requests, beside the loop: batched on a GPU, each alone on a CPU (infra/engine/scorer.py).
+        self.scorer = Scorer(self._serving, batch_budget(score_batch_tokens, self.device))
 
     # --- public, any thread ---
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-batcher", daemon=True)
         self._thread.start()
+        self.scorer.start()
 
     def stop(self) -> None:
         with self._cv:
@@ -115,6 +118,7 @@ class Batcher:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.scorer.stop()
         for req in list(self._queue) + self._running:
             req.fail(EngineStopped("engine stopped"))
 
@@ -168,11 +172,11 @@ class Batcher:
             self._cv.notify_all()
         return fut
 
-    def score(self, prompts: list[list[int]], start: int) -> tuple[list[list[float]], int]:
-        """Prefill log-probs (SGLang's `logprob_start_len`): for each prompt, log p(token) at positions
-        `start`.. given everything before it; (per prompt, the weight version they came from). Prompts
-        that share their first `start` tokens run that prefix once (infra/engine/scoring.py). Runs on
-        the caller's thread, beside the decode loop, on the model being served when it starts."""
+    def submit_score(self, prompts: list[list[int]], start: int) -> concurrent.futures.Future:
+        """Queue a scoring request; its future gives, for each prompt, log p(token) at positions
+        `start`.. given everything before it, and the weight version they came from. Prompts that
+        share their first `start` tokens run that prefix once; requests waiting together run in one
+        batch (infra/engine/scorer.py), beside the decode loop, on the model being served then."""
         if start < 1:
             raise RequestError("logprob_start_len must be at least 1 for prefill log-probs")
         for p in prompts:
@@ -180,21 +184,15 @@ class Batcher:
                 raise RequestError(f"a prompt of {len(p)} tokens has nothing at or after logprob_start_len={start}")
             if len(p) > self.max_positions:
                 raise RequestError(f"prompt of {len(p)} tokens exceeds the model's {self.max_positions} positions")
-        with self._cv:
-            model, version = self.model, self.weight_version
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(prompts):
-            groups.setdefault(tuple(p[:start]), []).append(i)
-        out: list[list[float]] = [[] for _ in prompts]
-        with torch.no_grad():
-            for prefix, members in groups.items():
-                lps, _ = continuation_logprobs(model, list(prefix), [prompts[i][start:] for i in members])
-                for i, lp in zip(members, lps):
-                    out[i] = lp.tolist()
+        future = self.scorer.submit(prompts, start)
         with self._cv:  # the decode loop's thread updates the same counters
             self.requests_total += len(prompts)
             self.prompt_tokens_total += sum(len(p) for p in prompts)
-        return out, version
+        return future
+
+    def _serving(self) -> tuple[Any, int]:
+        with self._cv:
+            return self.model, self.weight_version
 
     @property
     def load(self) -> int:

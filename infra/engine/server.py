@@ -205,7 +205,7 @@ class EngineApp:
     async def _score(self, prompts: list[list[int]], start: int, batched: bool, t0: float) -> Any:
         """Prefill log-probs only (max_new_tokens 0, return_logprob, logprob_start_len), as SGLang
         answers them: `input_token_logprobs` from `start` on, no output tokens. Off the event loop."""
-        lps, version = await asyncio.to_thread(self.batcher.score, prompts, start)
+        lps, version = await asyncio.wrap_future(self.batcher.submit_score(prompts, start))
         latency = time.monotonic() - t0
         results = [{"text": "", "output_ids": [],
                     "meta_info": {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0},
@@ -415,7 +415,7 @@ async def start_embedded_engine(model: str = "smollm2", host: str = "127.0.0.1",
     device = str(model_device(m))
     apply_threads(device, e.threads)
     batcher = Batcher(m, tok, max_batch_size=max_batch_size, weight_version=weight_version,
-                      prefix_cache_mb=e.prefix_cache_mb, max_queue=e.max_queue)
+                      prefix_cache_mb=e.prefix_cache_mb, max_queue=e.max_queue, score_batch_tokens=e.score_batch_tokens)
     batcher.start()
     engine = EngineApp(batcher, model, dtype, default_max_new_tokens, device, api_key=e.api_key,
                        weights_roots=weights_roots if weights_roots is not None else default_weights_roots(model),

@@ -1,0 +1,154 @@
+"""The engine's scoring queue (infra/engine/scorer.py) and the batched scoring it runs.
+
+On the tiny random Llama with SmolLM2's tokenizer (fp32, CPU): many (prefix, continuations)
+items in two forwards give each item's `continuation_logprobs`; concurrent requests share
+batches when batching is on and run alone when it is off; a request that breaks its batch
+fails alone; the CPU's default is off and a GPU's is on.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from infra.config import ConfigError, load_config
+from infra.engine.batcher import Batcher
+from infra.engine.models import load_model
+from infra.engine.scorer import GPU_BATCH_TOKENS, Scorer, batch_budget
+from infra.engine.scoring import batched_continuation_logprobs, continuation_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_model(str(tiny_dir))
+
+
+def _items(seed: int, n: int) -> list[tuple[list[int], list[list[int]]]]:
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        prefix = [rng.randrange(10, 40000) for _ in range(rng.randint(1, 50))]
+        conts = [[rng.randrange(10, 40000) for _ in range(rng.randint(1, 6))] for _ in range(rng.randint(1, 5))]
+        items.append((prefix, conts))
+    return items
+
+
+def test_batched_scoring_equals_each_item_alone(tiny):
+    """Prefixes of 1..50 tokens left-padded together, continuations of 1..6 tokens right-padded
+    together: every log-prob is the unbatched one (padding keys get zero weight)."""
+    model, _ = tiny
+    items = _items(0, 12) + [([5, 6, 7], [[8]])]  # and an item whose continuations are all one token
+    with torch.no_grad():
+        got, _ = batched_continuation_logprobs(model, items)
+        for (prefix, conts), mine in zip(items, got):
+            ref, _ = continuation_logprobs(model, prefix, conts)
+            assert len(mine) == len(conts)
+            for a, b in zip(ref, mine):
+                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a, b)
+    only_first, _ = batched_continuation_logprobs(model, [([5, 6, 7], [[8], [9]])])
+    with torch.no_grad():
+        ref, _ = continuation_logprobs(model, [5, 6, 7], [[8], [9]])
+    assert torch.allclose(torch.cat(only_first[0]), torch.cat(ref), atol=1e-5)
+    with pytest.raises(ValueError, match="at least one token"):
+        batched_continuation_logprobs(model, [([1, 2], [[]])])
+
+
+def _jobs(scorer: Scorer, n: int) -> tuple[list, list]:
+    """n requests of 4 prompts each (one shared prefix), submitted from n threads at once."""
+    work = [([p + c for c in conts], len(p)) for p, conts in _items(1, n)]
+    futures: list = [None] * n
+    barrier = threading.Barrier(n)
+
+    def submit(i):
+        barrier.wait()
+        futures[i] = scorer.submit(*work[i])
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return work, [f.result(timeout=60) for f in futures]
+
+
+@pytest.mark.parametrize("budget", [GPU_BATCH_TOKENS, 0])
+def test_the_queue_batches_concurrent_requests_only_when_batching_is_on(tiny, budget):
+    model, _ = tiny
+    gate = threading.Event()
+    scorer = Scorer(lambda: (gate.wait(), (model, 7))[1], batch_tokens=budget)  # holds the first batch
+    scorer.start()
+    try:
+        threading.Timer(0.5, gate.set).start()  # every request is queued before the first one runs
+        work, answers = _jobs(scorer, 16)
+    finally:
+        scorer.stop()
+    for (prompts, start), (rows, version) in zip(work, answers):
+        assert version == 7
+        with torch.no_grad():
+            ref, _ = continuation_logprobs(model, prompts[0][:start], [p[start:] for p in prompts])
+        for r, mine in zip(ref, rows):
+            assert torch.allclose(r, torch.tensor(mine), atol=1e-5)
+    assert scorer.jobs == 16
+    if budget:
+        assert scorer.batches <= 2  # the first request alone, perhaps; the other 15 together
+    else:
+        assert scorer.batches == 16
+
+
+def test_a_request_that_breaks_its_batch_fails_alone(tiny):
+    model, tok = tiny
+    scorer = Scorer(lambda: (model, 0), batch_tokens=GPU_BATCH_TOKENS)
+    good = [([[1, 2, 3, 4]], 2), ([[5, 6, 7]], 2)]
+    bad = ([[1, 2, len(tok) + 10_000]], 2)  # a token id past the vocabulary: the embedding lookup raises
+    jobs = [scorer.submit(*good[0]), scorer.submit(*bad), scorer.submit(*good[1])]
+    scorer.start()  # all three are waiting: they go in one batch, which fails, then one by one
+    try:
+        assert len(jobs[0].result(timeout=60)[0][0]) == 2 and len(jobs[2].result(timeout=60)[0][0]) == 1
+        with pytest.raises(IndexError):
+            jobs[1].result(timeout=60)
+    finally:
+        scorer.stop()
+    with pytest.raises(Exception, match="engine stopped"):
+        scorer.submit(*good[0])
+
+
+def test_batching_is_on_for_a_gpu_and_off_for_the_cpu_by_default(tiny):
+    model, tok = tiny
+    assert batch_budget(-1, torch.device("cpu")) == 0
+    assert batch_budget(-1, torch.device("cuda", 0)) == GPU_BATCH_TOKENS
+    assert batch_budget(4096, torch.device("cpu")) == 4096
+    b = Batcher(model, tok)
+    assert b.scorer.batch_tokens == 0
+    assert load_config(None, ["engines.score_batch_tokens=8192"]).engines.score_batch_tokens == 8192
+    with pytest.raises(ConfigError, match="score_batch_tokens"):
+        load_config(None, ["engines.score_batch_tokens=-2"])
+    b.start()
+    try:
+        rows, version = b.submit_score([[1, 2, 3, 4]], 2).result(timeout=60)
+        assert len(rows[0]) == 2 and version == 0 and b.requests_total == 1
+    finally:
+        b.stop()
+
+
+def test_the_learners_batched_scoring_equals_per_prompt_with_its_gradients(tiny):
+    """learner/policy_model.py's `scored_logprobs` batches its prompts: its log-probs, hidden
+    states and gradients equal the per-prompt path's."""
+    from learner.policy_model import scored_logprobs
+
+    model, tok = tiny
+    prompts = ["Room: kitchen. Take the coin.", "Room: hall, a long corridor with doors.", "Room: kitchen. Take the coin."]
+    cands = [[[101, 102], [103], [104, 105, 106]], [[201], [202, 203]], [[101, 102], [103], [104, 105, 106]]]
+    results = {}
+    for batched in (False, True):
+        model.zero_grad(set_to_none=True)
+        lp, hidden, tokens = scored_logprobs(model, tok, prompts, cands, [2, 1, 0], want_hidden=True, batched=batched)
+        (lp.sum() + hidden.sum()).backward()
+        results[batched] = (lp.detach(), hidden.detach(), tokens, model.model.embed_tokens.weight.grad.clone())
+    (a, ha, ta, ga), (b, hb, tb, gb) = results[False], results[True]
+    assert ta == tb and a.shape == (3,) and hidden.shape[0] == 3
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ha, hb, atol=1e-5)
+    assert torch.allclose(ga, gb, atol=1e-5)
+    model.zero_grad(set_to_none=True)
