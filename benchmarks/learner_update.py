@@ -11,6 +11,15 @@ share of the bare tokens/s is the learner's overhead (goal >= 90 %). `--lora-ran
 adds a LoRA run of the packed batch.
 
     python benchmarks/learner_update.py [--groups 1] [--group-size 2] [--steps 4] [--repeats 1] [--lora-rank 0]
+        [--device cuda --dtype bfloat16]
+
+`--score N` times instead the score-mode forward+backward of N distinct steps (the policy
+scores each candidate action's text; learner/policy_model.py's `scored_logprobs`), one
+forward pair per step against all steps batched (the GPU's default), and checks they agree.
+
+On a GPU (`--device cuda --dtype bfloat16`: the learner's mixed precision, fp32 master
+weights under bf16 autocast, learner/precision.py) `--model` may name any Hugging Face
+directory, e.g. a random-init one of SmolLM2's config: the compute is the same.
 
 Prints seconds per update, learner tokens/s (tokens through the model) and the steps
 trained per second, with the load average beside each figure. A shared CPU is noisy:
@@ -29,12 +38,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
 
-from actors.policy import PolicyDecision, choice_logprobs, choice_turn, pack_prompts, packed_forward  # noqa: E402
+from actors.policy import PolicyDecision, choice_logprobs, choice_turn, pack_prompts, packed_forward, score_turn  # noqa: E402
 from infra.config import LearnerConfig  # noqa: E402
 from infra.engine.models import load_model  # noqa: E402
 from infra.schema import Status, Step, Task, Trajectory  # noqa: E402
 from learner.advantages import group_advantages  # noqa: E402
-from learner.policy_model import PolicyModel  # noqa: E402
+from learner.policy_model import PolicyModel, scored_logprobs  # noqa: E402
+from learner.precision import Precision  # noqa: E402
 from learner.update import Unit, apply_update, chunks_of, rows_of  # noqa: E402
 
 ROOMS = ["Kitchen", "Hall", "Study", "Cellar", "Garden", "Attic"]
@@ -76,11 +86,18 @@ def time_update(policy: PolicyModel, cfg: LearnerConfig, units, repeats: int) ->
     first = units[0].trajs[0]
     warm = Unit([Trajectory(task_id=first.task_id, group_id="w", steps=first.steps[:1], task=first.task)], [1.0], [False])
     apply_update(policy, optimizer, cfg, [warm], 0)
+    sync(cfg.device)
     t0 = time.perf_counter()
     tokens = 0
     for _ in range(repeats):
         tokens = apply_update(policy, optimizer, cfg, units, 0).tokens
+    sync(cfg.device)
     return (time.perf_counter() - t0) / repeats, tokens
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def time_bare(model, tok, cfg: LearnerConfig, units, repeats: int) -> tuple[float, int]:
@@ -92,16 +109,46 @@ def time_bare(model, tok, cfg: LearnerConfig, units, repeats: int) -> tuple[floa
         steps = [s for i in idx for s in rows[i].steps]
         chunks.append(pack_prompts(tok, [s.policy_prompt for s in steps], [s.action_token_ids[0] for s in steps]))
     model.train()
+    precision = Precision(cfg.device, cfg.dtype)
+    model.to(cfg.device)
+    sync(cfg.device)
     t0 = time.perf_counter()
     tokens = 0
     for _ in range(repeats):
         tokens = 0
         for segments in chunks:
-            logits, _, n = packed_forward(model, segments, share_prefix=True)
-            logits.sum().backward()
+            with precision.autocast():
+                logits, _, n = packed_forward(model, segments, share_prefix=True)
+            logits.float().sum().backward()
             tokens += n
         model.zero_grad(set_to_none=True)
+    sync(cfg.device)
     return (time.perf_counter() - t0) / repeats, tokens
+
+
+def time_scored(model, tok, precision: Precision, n: int, repeats: int) -> None:
+    """Score mode's forward+backward over n distinct steps, per step vs batched, in one run."""
+    turns = [score_turn(tok, Task(f"t{i}", f"find the {ROOMS[i % len(ROOMS)].lower()} key and open the chest"),
+                        f"Room: {ROOMS[i % len(ROOMS)]}. Step {i}. A chest, a key and {i % 5} doors.\nInventory: nothing",
+                        CANDS, history=[]) for i in range(n)]
+    prompts, cands = [t.prompt for t in turns], [t.continuations for t in turns]
+    chosen = [i % len(CANDS) for i in range(n)]
+    model.to(precision.device).train()
+    seconds, got = {}, {}
+    for batched in (False, True, False, True):  # each twice: the first of each warms up
+        sync(precision.device)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            with precision.autocast():
+                lp, _, tokens = scored_logprobs(model, tok, prompts, cands, chosen, batched=batched)
+            lp.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+        sync(precision.device)
+        seconds[batched], got[batched] = (time.perf_counter() - t0) / repeats, lp.detach().float()
+    gap = float((got[True] - got[False]).abs().max())
+    print(f"score mode, {n} steps x {len(CANDS)} candidates ({tokens} tokens): per step {seconds[False]:6.2f} s, "
+          f"batched {seconds[True]:6.2f} s per forward+backward = {seconds[False] / seconds[True]:.2f}x; "
+          f"largest log-prob gap {gap:.1e}  ({load()})")
 
 
 def main() -> None:
@@ -112,21 +159,34 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--lora-rank", type=int, default=0, help="also time LoRA of this rank on the packed batch (0 = no)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    ap.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face model directory")
+    ap.add_argument("--device", default="cpu", help="the learner's torch device: cpu, cuda, cuda:N")
+    ap.add_argument("--dtype", default="float32", help="float32, or bfloat16 (mixed precision, learner/precision.py)")
+    ap.add_argument("--score", type=int, default=0, metavar="N",
+                    help="time score mode's forward+backward over N steps, per step vs batched, and stop")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2")
+    model, tok = load_model(args.model)
+    where = f"{args.device} {args.dtype}" + (f" ({torch.cuda.get_device_name(args.device)})"
+                                             if args.device.startswith("cuda") else "")
+    if args.score:
+        precision = Precision.checked(args.device, args.dtype, "--device", "--dtype")
+        print(f"torch threads {torch.get_num_threads()}, {where}")
+        time_scored(model, tok, precision, args.score, args.repeats)
+        return
     n_steps = args.groups * args.group_size * args.steps
     print(f"{args.groups} group(s) x {args.group_size} trajectories x {args.steps} steps = {n_steps} steps, "
-          f"torch threads {torch.get_num_threads()}")
+          f"torch threads {torch.get_num_threads()}, {where}")
     results = {}
     runs = [("per-step", False, 0), ("packed", True, 0)]
     if args.lora_rank:
         runs.append((f"packed lora-r{args.lora_rank}", True, args.lora_rank))
     for name, multi_turn, rank in runs:
         units = batch(model, tok, args.groups, args.group_size, args.steps, multi_turn)
-        policy = PolicyModel(lora_rank=rank, model=copy.deepcopy(model), tokenizer=tok)
-        cfg = LearnerConfig(lora_rank=rank)
+        cfg = LearnerConfig(lora_rank=rank, device=args.device, dtype=args.dtype)
+        policy = PolicyModel(lora_rank=rank, model=copy.deepcopy(model), tokenizer=tok,
+                             precision=Precision.checked(args.device, args.dtype, "--device", "--dtype"))
         s, tokens = time_update(policy, cfg, units, args.repeats)
         results[name] = s
         print(f"{name:>16}: {s:6.1f} s/update, {tokens:5d} tokens, {tokens / s:6.1f} learner tokens/s, "
