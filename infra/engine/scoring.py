@@ -1,17 +1,18 @@
-"""Log-likelihoods of continuations of one shared prefix: the engine's prefill log-probs
-(SGLang's `logprob_start_len`) and the learner's recomputation, in one function.
+"""Log-likelihoods of continuations of a shared prefix: the engine's prefill log-probs
+(SGLang's `logprob_start_len`) and the learner's recomputation, in two functions that
+compute the same thing, one prefix at a time or many at once.
 
 Owns `continuation_logprobs(model, prefix, continuations)`: the per-token log-probs
 log p(c_t | prefix, c_<t) of each continuation. The prefix runs once and keeps its
 key/value cache; the continuations then run as one right-padded batch on that cache
 (padding sits after every real token, so causal attention keeps it out of the real
-positions' logits). The engine calls it under no_grad; the learner calls it with
-gradients, which flow back through the shared cache. Both sides computing the same
-number is what lets the learner's importance ratio compare like with like
-(actors/policy.py, action mode "score").
+positions' logits). The CPU engine calls it under no_grad (one request at a time).
+Both sides computing the same number is what lets the learner's importance ratio
+compare like with like (actors/policy.py, action mode "score").
 
 `batched_continuation_logprobs(model, items)` is the same computation for many
-(prefix, continuations) items at once, the engine's path: the prefixes run as one
+(prefix, continuations) items at once, the GPU engine's path (infra/engine/scorer.py)
+and the learner's, with gradients flowing back through the copied caches (learner/policy_model.py): the prefixes run as one
 left-padded batch, then every item's continuations as one batch on a copy of its
 prefix's cache rows. A padding key is masked out (it gets exactly zero weight) and a
 padding query attends to itself only, so each item's log-probs are those of
