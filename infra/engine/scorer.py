@@ -129,13 +129,13 @@ class Scorer:
         chunks: list[list[ScoreJob]] = []
         rows = width = 0
         for job in jobs:
-            r, w = rows + len(job.prompts), max(width, max(len(p) for p in job.prompts))
-            if chunks and r * w <= self.batch_tokens:
+            widest = max(len(p) for p in job.prompts)
+            if chunks and (rows + len(job.prompts)) * max(width, widest) <= self.batch_tokens:
                 chunks[-1].append(job)
-                rows, width = r, w
+                rows, width = rows + len(job.prompts), max(width, widest)
             else:
                 chunks.append([job])
-                rows, width = len(job.prompts), max(len(p) for p in job.prompts)
+                rows, width = len(job.prompts), widest
         return chunks
 
     def _run(self, chunk: list[ScoreJob]) -> None:

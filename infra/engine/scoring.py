@@ -6,15 +6,15 @@ Owns `continuation_logprobs(model, prefix, continuations)`: the per-token log-pr
 log p(c_t | prefix, c_<t) of each continuation. The prefix runs once and keeps its
 key/value cache; the continuations then run as one right-padded batch on that cache
 (padding sits after every real token, so causal attention keeps it out of the real
-positions' logits). The CPU engine calls it under no_grad (one request at a time).
-Both sides computing the same number is what lets the learner's importance ratio
+positions' logits). Both sides computing the same number is what lets the learner's importance ratio
 compare like with like (actors/policy.py, action mode "score").
 
 `batched_continuation_logprobs(model, items)` is the same computation for many
-(prefix, continuations) items at once, the GPU engine's path (infra/engine/scorer.py)
-and the learner's, with gradients flowing back through the copied caches (learner/policy_model.py): the prefixes run as one
-left-padded batch, then every item's continuations as one batch on a copy of its
-prefix's cache rows. A padding key is masked out (it gets exactly zero weight) and a
+(prefix, continuations) items at once: the engine's path (infra/engine/scorer.py) and
+the learner's, whose gradients flow back through the copied caches
+(learner/policy_model.py). The prefixes run as one left-padded batch, then every
+item's continuations as one batch on a copy of its prefix's cache rows (a view when
+there is one item, as in `continuation_logprobs`). A padding key is masked out (it gets exactly zero weight) and a
 padding query attends to itself only, so each item's log-probs are those of
 `continuation_logprobs` up to the order of floating-point sums. On a GPU an eager
 forward costs about the same for 1 row or 500 (host-bound), so the engine answers
@@ -73,7 +73,7 @@ def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int
                                   want_hidden: bool = False) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
     """(per item, `continuation_logprobs(model, prefix, continuations)[0]`; each prefix's last hidden
     state [n, H] or None), computed for all items in two forwards (module docstring). The engine
-    calls it under no_grad; a learner on a GPU with gradients (learner/policy_model.py)."""
+    calls it under no_grad, the learner with gradients (learner/policy_model.py)."""
     for prefix, conts in items:
         if not prefix:
             raise ValueError("batched_continuation_logprobs: empty prefix")
@@ -106,7 +106,11 @@ def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int
     owner = torch.tensor([i for i, _ in rows], dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
     for li, layer in enumerate(out.past_key_values.layers):
-        cache.update(layer.keys.index_select(0, owner), layer.values.index_select(0, owner), li)
+        if n == 1:  # one prefix: its rows as a view, no copy (the engine's CPU path, a request at a time)
+            cache.update(layer.keys.expand(len(rows), *layer.keys.shape[1:]),
+                         layer.values.expand(len(rows), *layer.values.shape[1:]), li)
+        else:
+            cache.update(layer.keys.index_select(0, owner), layer.values.index_select(0, owner), li)
     r = len(rows)
     cids = torch.zeros((r, tail_width), dtype=torch.long)
     for k, (_, c) in enumerate(rows):
