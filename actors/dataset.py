@@ -36,13 +36,18 @@ __all__ = ["TaskSplits", "write_trajectories", "read_trajectories", "trajectorie
 # The `data` fields that shape a family's task splits (besides the seed).
 _SPLIT_PREFIXES = {"textworld": ("textworld_",), "miniwob": ("miniwob_",), "alfworld": ("alfworld_",),
                    "browsergym": ("browsergym_",)}
+# The version of each family's state rendering: bump it when an environment renders states or rationales
+# differently, so cached splits (their initial states) and trajectories are rebuilt.
+# textworld 2: a "To do" line (the win condition's missing facts) and "still to do" in the rationale.
+_STATE_FORMAT = {"textworld": 2}
 # ... and the collection itself.
 _COLLECT_FIELDS = ("policies", "episodes_per_task", "noise_eps", "max_steps", "teacher_endpoint", "teacher_model")
 
 
 def splits_settings(kind: str, data_cfg, seed: int) -> dict:
     """What shapes the task splits of `kind` (a canonical family: textworld, miniwob, alfworld, browsergym)."""
-    return {"family": kind, "seed": seed, **section_settings(data_cfg, prefixes=_SPLIT_PREFIXES.get(kind, ()))}
+    return {"family": kind, "seed": seed, "state_format": _STATE_FORMAT.get(kind, 1),
+            **section_settings(data_cfg, prefixes=_SPLIT_PREFIXES.get(kind, ()))}
 
 
 def offline_settings(kind: str, data_cfg, seed: int) -> dict:

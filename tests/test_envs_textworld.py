@@ -42,6 +42,19 @@ def test_facts_rationale_says_what_changed():
     assert facts_rationale("eat apple", set(), set(), won=True).endswith("the goal is reached")
 
 
+def test_to_do_is_the_win_facts_that_do_not_hold_yet_in_state_and_rationale():
+    win = ["at(P, kitchen: r)", "in(apple: f, fridge: c)"]
+    text = render_state("Put the apple in the fridge.", "", "", ["go east"], facts=["at(P, hall: r)"], win=win)
+    assert "To do: you in kitchen, apple in fridge" in validate_state(text).description.splitlines()
+    done = render_state("Put the apple in the fridge.", "", "", ["go east"], facts=[*win, "at(fridge: c, kitchen: r)"],
+                        win=win)
+    assert "To do: nothing" in done
+    assert "To do" not in render_state("Put the apple in the fridge.", "", "", ["go east"], facts=["at(P, hall: r)"])
+    moved = facts_rationale("go east", {"at(P, hall: r)"}, {"at(P, kitchen: r)"}, won=False, win=win)
+    assert moved == "go east: now you in kitchen; no longer you in hall; still to do: apple in fridge"
+    assert facts_rationale("put apple in fridge", set(), set(win), won=True, win=win).endswith("; the goal is reached")
+
+
 @pytest.mark.slow
 def test_splits_by_seed_and_family_and_cache(tw):
     root, splits = tw
@@ -75,6 +88,10 @@ async def test_env_interface_expert_episode_and_rationales(tw):
         if res.done:
             break
     assert info["won"] and res.reward == 1.0
+    # The state tracks the win condition: something to do at the start, nothing once won; the winning
+    # step's rationale says so, every earlier one names what is left.
+    assert "To do: nothing" not in state and "To do: " in state
+    assert "To do: nothing" in res.state and info["rationale"].endswith("the goal is reached")
     await env.close()
 
 

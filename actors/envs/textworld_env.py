@@ -162,8 +162,16 @@ def _humanize_fact(fact: str) -> str:
     return f"{pred}({', '.join(args)})"
 
 
-def facts_rationale(action: str, before: set[str], after: set[str], won: bool, limit: int = 4) -> str:
-    """A short causal rationale from the facts diff, e.g. 'take apple: now apple in inventory; no longer apple on counter'."""
+def to_do(win: list[str], facts: set[str]) -> list[str]:
+    """The win condition's facts that do not hold yet, in words ('cloak at cellar'), in the condition's order."""
+    return [_humanize_fact(f) for f in win if f not in facts]
+
+
+def facts_rationale(action: str, before: set[str], after: set[str], won: bool, limit: int = 4,
+                    win: list[str] | None = None) -> str:
+    """A short causal rationale from the facts diff, e.g. 'take apple: now apple in inventory; no longer apple on
+    counter; still to do: apple in fridge'. The last clause is the win condition's facts still missing after the
+    step (`to_do`), or 'the goal is reached' when the step wins."""
     added = sorted(_humanize_fact(f) for f in after - before)[:limit]
     removed = sorted(_humanize_fact(f) for f in before - after)[:limit]
     parts = []
@@ -174,7 +182,10 @@ def facts_rationale(action: str, before: set[str], after: set[str], won: bool, l
     if not parts:
         parts.append("nothing in the world changed")
     text = f"{action}: " + "; ".join(parts)
-    return text + ("; the goal is reached" if won else "")
+    if won:
+        return text + "; the goal is reached"
+    left = to_do(win or [], after)
+    return text + (f"; still to do: {', '.join(left)}" if left else "")
 
 
 def _room(description: str) -> str:
@@ -252,8 +263,13 @@ def facts_description(facts: list[str]) -> tuple[str, str] | None:
 
 
 def render_state(objective: str, description: str, inventory: str, commands: list[str],
-                 facts: list[str] | None = None) -> str:
-    """The abstract state of a TextWorld game: goal, room, inventory, numbered commands."""
+                 facts: list[str] | None = None, win: list[str] | None = None) -> str:
+    """The abstract state of a TextWorld game: goal, room, inventory, what is still to do, numbered commands.
+
+    "To do" lists the win condition's facts that do not hold yet (`to_do`; "nothing" once
+    they all do), so progress toward the goal is part of the state: the experience model
+    predicts the reward by checking the action's effect against it, rather than by
+    reading the quest's prose instruction."""
     shown = [c for c in commands if not _HIDDEN.match(c)] or list(commands)
     compact = facts_description(facts) if facts else None
     if compact is not None:
@@ -261,6 +277,8 @@ def render_state(objective: str, description: str, inventory: str, commands: lis
         desc = f"Goal: {' '.join(objective.split())}\n{room}\nInventory: {inv}"
     else:
         desc = f"Goal: {' '.join(objective.split())}\nRoom: {_room(description)}\nInventory: {_inventory(inventory)}"
+    if win:
+        desc += "\nTo do: " + (", ".join(to_do(win, set(facts or []))) or "nothing")
     return AbstractState(desc, [(i + 1, c) for i, c in enumerate(shown)]).render()
 
 
@@ -277,6 +295,7 @@ class TextWorldEnv(LockedThreadCore):
         self._gs = None
         self.state = ""
         self.objective = ""
+        self.win: list[str] = []  # the win condition's facts (first event of each quest)
         self.steps = 0
         self.invalid = 0
         self.done = True
@@ -289,7 +308,7 @@ class TextWorldEnv(LockedThreadCore):
             return
         self.close_sync()
         infos = textworld.EnvInfos(admissible_commands=True, policy_commands=True, won=True, lost=True,
-                                   objective=True, facts=True, description=True, inventory=True)
+                                   objective=True, facts=True, description=True, inventory=True, win_facts=True)
         self._env = textworld.start(game_file, request_infos=infos)
         self._game_file = game_file
 
@@ -297,7 +316,7 @@ class TextWorldEnv(LockedThreadCore):
         gs = self._gs
         self._shown = [c for c in gs.admissible_commands if not _HIDDEN.match(c)] or list(gs.admissible_commands)
         self.state = render_state(self.objective, gs.description or "", gs.inventory or "", list(gs.admissible_commands),
-                                  [str(f) for f in (gs.facts or [])])
+                                  [str(f) for f in (gs.facts or [])], self.win)
         return self.state
 
     def _info(self, valid: bool, won: bool = False, **extra: Any) -> dict[str, Any]:
@@ -311,6 +330,7 @@ class TextWorldEnv(LockedThreadCore):
         self._open(task.game_file)
         self._gs = self._env.reset()
         self.objective = self._gs.objective or task.instruction
+        self.win = [str(f) for quest in (self._gs.win_facts or []) if quest for f in quest[0]]
         self.steps, self.invalid, self.done = 0, 0, False
         ENV_RESETS.labels(family="textworld").inc()
         return self._observe(), self._info(True)
@@ -352,7 +372,7 @@ class TextWorldEnv(LockedThreadCore):
         state = self._observe()
         return StepResult(state, 1.0 if won else 0.0, self.done,
                           self._info(True, won, lost=lost, truncated=truncated, command=command,
-                                     rationale=facts_rationale(command, before, after, won)))
+                                     rationale=facts_rationale(command, before, after, won, win=self.win)))
 
     def close_sync(self) -> None:
         if self._env is not None:
