@@ -38,8 +38,8 @@ _SPLIT_PREFIXES = {"textworld": ("textworld_",), "miniwob": ("miniwob_",), "alfw
                    "browsergym": ("browsergym_",)}
 # The version of each family's state rendering: bump it when an environment renders states or rationales
 # differently, so cached splits (their initial states) and trajectories are rebuilt.
-# textworld 2: a "To do" line (the win condition's missing facts) and "still to do" in the rationale.
-_STATE_FORMAT = {"textworld": 2}
+# textworld 3: a "To do" line (the win condition's missing facts), each item checked in the rationale.
+_STATE_FORMAT = {"textworld": 3}
 # ... and the collection itself.
 _COLLECT_FIELDS = ("policies", "episodes_per_task", "noise_eps", "max_steps", "teacher_endpoint", "teacher_model")
 

@@ -51,8 +51,10 @@ def test_to_do_is_the_win_facts_that_do_not_hold_yet_in_state_and_rationale():
     assert "To do: nothing" in done
     assert "To do" not in render_state("Put the apple in the fridge.", "", "", ["go east"], facts=["at(P, hall: r)"])
     moved = facts_rationale("go east", {"at(P, hall: r)"}, {"at(P, kitchen: r)"}, won=False, win=win)
-    assert moved == "go east: now you in kitchen; no longer you in hall; still to do: apple in fridge"
-    assert facts_rationale("put apple in fridge", set(), set(win), won=True, win=win).endswith("; the goal is reached")
+    assert moved == ("go east: now you in kitchen; no longer you in hall; "
+                     "to do: you in kitchen (done), apple in fridge (not yet)")
+    won = facts_rationale("put apple in fridge", {win[0]}, set(win), won=True, win=win)
+    assert won.endswith("; to do: apple in fridge (done); the goal is reached")
 
 
 @pytest.mark.slow

@@ -169,9 +169,13 @@ def to_do(win: list[str], facts: set[str]) -> list[str]:
 
 def facts_rationale(action: str, before: set[str], after: set[str], won: bool, limit: int = 4,
                     win: list[str] | None = None) -> str:
-    """A short causal rationale from the facts diff, e.g. 'take apple: now apple in inventory; no longer apple on
-    counter; still to do: apple in fridge'. The last clause is the win condition's facts still missing after the
-    step (`to_do`), or 'the goal is reached' when the step wins."""
+    """A short causal rationale from the facts diff, then a check of the state's To do items, e.g.
+    'take apple: now apple in inventory; no longer apple on counter; to do: apple in fridge (not yet)'
+    and 'put apple in fridge: now apple in fridge; ...; to do: apple in fridge (done); the goal is reached'.
+
+    Each item the step started with (`to_do(win, before)`) is copied and marked done or not yet,
+    so the reward follows from a match between an item and the "now" clause just written: the
+    135M experience model copied the list unchanged when it had to drop the item achieved."""
     added = sorted(_humanize_fact(f) for f in after - before)[:limit]
     removed = sorted(_humanize_fact(f) for f in before - after)[:limit]
     parts = []
@@ -181,11 +185,12 @@ def facts_rationale(action: str, before: set[str], after: set[str], won: bool, l
         parts.append("no longer " + ", ".join(removed))
     if not parts:
         parts.append("nothing in the world changed")
+    pending = [f for f in win or [] if f not in before]
+    if pending:
+        parts.append("to do: " + ", ".join(f"{_humanize_fact(f)} ({'done' if f in after else 'not yet'})"
+                                           for f in pending))
     text = f"{action}: " + "; ".join(parts)
-    if won:
-        return text + "; the goal is reached"
-    left = to_do(win or [], after)
-    return text + (f"; still to do: {', '.join(left)}" if left else "")
+    return text + ("; the goal is reached" if won else "")
 
 
 def _room(description: str) -> str:
