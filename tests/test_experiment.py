@@ -18,7 +18,8 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from actors.dataset import offline_settings, splits_path, stamp_matches, write_stamp
+from actors import dataset
+from actors.dataset import offline_settings, splits_path, splits_settings, stamp_matches, write_stamp
 from actors.envs.registry import load_or_make_splits, tasks_from_spec
 from infra.budget import StepBudget
 from infra.config import load_config, settings_key
@@ -105,7 +106,7 @@ def test_cache_keys_follow_the_settings_that_shape_each_artifact(tmp_path):
 
 
 @pytest.mark.slow
-def test_splits_and_offline_stamps_rebuild_on_other_settings(tmp_path):
+def test_splits_and_offline_stamps_rebuild_on_other_settings(tmp_path, monkeypatch):
     cfg = load_config(None, ["data.textworld_games=1", "data.textworld_heldout=1", "data.textworld_families=[custom]"])
     first = load_or_make_splits("textworld", cfg.data, tmp_path)
     assert [t.task_id for t in first.train] == ["custom-s0"]
@@ -113,9 +114,16 @@ def test_splits_and_offline_stamps_rebuild_on_other_settings(tmp_path):
     assert [t.task_id for t in again.heldout] == [t.task_id for t in first.heldout]
     more = dataclasses.replace(cfg.data, textworld_games=2)
     assert len(load_or_make_splits("textworld", more, tmp_path).train) == 2  # not the cached 1-game split
-    assert stamp_matches(splits_path(tmp_path, "textworld"), {"family": "textworld", "seed": 0,
-                                                              **{k: v for k, v in dataclasses.asdict(more).items()
-                                                                 if k.startswith("textworld_")}})
+    assert stamp_matches(splits_path(tmp_path, "textworld"), splits_settings("textworld", more, 0))
+    assert {k for k in splits_settings("textworld", more, 0) if k.startswith("textworld_")} == \
+        {k for k in dataclasses.asdict(more) if k.startswith("textworld_")}
+    # An environment that renders states differently invalidates the splits (their initial states)
+    # and, through the splits' key, the offline trajectories.
+    offline_before = offline_settings("textworld", more, 0)
+    monkeypatch.setitem(dataset._STATE_FORMAT, "textworld", dataset._STATE_FORMAT["textworld"] + 1)
+    assert not stamp_matches(splits_path(tmp_path, "textworld"), splits_settings("textworld", more, 0))
+    assert offline_settings("textworld", more, 0) != offline_before
+    monkeypatch.undo()
     f = tmp_path / "offline.msgpack"
     f.write_bytes(b"")
     write_stamp(f, offline_settings("textworld", more, 0))

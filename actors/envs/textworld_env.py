@@ -8,11 +8,15 @@ Owns three things:
 - `TextWorldEnv`: a synchronous core (`reset_sync`/`step_sync`) over
   `textworld.start`, exposed through the async Environment interface with
   `asyncio.to_thread`.
-- the abstract state: goal, room (name and a short description), inventory, then the
-  admissible commands as numbered items, and the env-facts rationale of a step
-  (the world facts that the action added and removed, in words).
+- the abstract state: goal, room (name and a short description), inventory, what is
+  still to do (the facts of the quest's win condition that do not hold yet, read from
+  TextWorld's `win_facts`), then the admissible commands as numbered items; and the
+  env-facts rationale of a step (the world facts that the action added and removed, in
+  words, then each To do item marked done or not yet).
 
-Departures from plain TextWorld: the reward is the paper's outcome reward (1.0 when
+Departures from plain TextWorld: the state shows the win condition's missing facts, which
+TextWorld keeps to itself (the quest's prose names them only loosely), so that a small
+experience model can tell when a quest is won; the reward is the paper's outcome reward (1.0 when
 the game is won at that step, else 0.0), not TextWorld's score; `look`,
 `inventory` and `examine ...` are left out of the numbered items because the state
 already shows what they would print (they stay valid if typed); an action that is
