@@ -166,9 +166,14 @@ def _humanize_fact(fact: str) -> str:
     return f"{pred}({', '.join(args)})"
 
 
+def _missing(win: list[str] | None, facts: set[str]) -> list[str]:
+    """The win condition's facts that do not hold in `facts`, in the condition's order."""
+    return [f for f in win or [] if f not in facts]
+
+
 def to_do(win: list[str], facts: set[str]) -> list[str]:
-    """The win condition's facts that do not hold yet, in words ('cloak at cellar'), in the condition's order."""
-    return [_humanize_fact(f) for f in win if f not in facts]
+    """The win condition's facts that do not hold yet, in words ('cloak at cellar')."""
+    return [_humanize_fact(f) for f in _missing(win, facts)]
 
 
 def facts_rationale(action: str, before: set[str], after: set[str], won: bool, limit: int = 4,
@@ -189,7 +194,7 @@ def facts_rationale(action: str, before: set[str], after: set[str], won: bool, l
         parts.append("no longer " + ", ".join(removed))
     if not parts:
         parts.append("nothing in the world changed")
-    pending = [f for f in win or [] if f not in before]
+    pending = _missing(win, before)
     if pending:
         parts.append("to do: " + ", ".join(f"{_humanize_fact(f)} ({'done' if f in after else 'not yet'})"
                                            for f in pending))
