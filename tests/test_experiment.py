@@ -24,7 +24,7 @@ from actors.envs.registry import load_or_make_splits, tasks_from_spec
 from infra.budget import StepBudget
 from infra.config import load_config, settings_key
 from infra.run.artifacts import cached_model
-from infra.run.experiment import load_experiment
+from infra.run.experiment import load_experiment, row
 from infra.schema import Task
 from learner import mexp_sft, policy_sft
 from learner.weights import resolve_model, version_path
@@ -183,7 +183,7 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
     # first pushed group instead of running out its 60 s guard (tests/phase_guard.py)
     ended = first_group_ends(monkeypatch, cfg, "s2r")
     try:
-        summary = await train(cfg, "s2r", evaluate=False)
+        summary = await train(cfg, "s2r")
     finally:
         await ended.aclose()
     kinds = [(p["phase"], p["env_kind"]) for p in summary["phases"]]
@@ -193,6 +193,15 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
     assert real["real_transitions"] == 7 and real["transition_budget_spent"]  # exactly the budget
     assert summary["transitions"]["online_real"] == 7 and summary["phases"][0]["real_transitions"] == 0
     assert summary["transitions"]["offline_real"] > 0
+    # the synthetic phase alone was evaluated on the held-out games before the real phase began, and the
+    # experiment's row pairs it with the final evaluation (what the real phase added)
+    between = summary["phases"][0]["heldout_after"]
+    assert between["episodes"] == summary["heldout_after"]["episodes"] == 2 and "heldout_after" not in real
+    assert {t["task_id"] for t in between["per_task"]} == {t["task_id"] for t in summary["heldout_after"]["per_task"]}
+    (b,) = row("s2r", "", summary, None, "")["between_phases"]
+    assert b["after"] == "DreamGym" and b["gain_after"]["tasks"] == 2
+    assert b["gain_after"]["diff"] == pytest.approx(summary["heldout_after"]["success_rate"] - between["success_rate"])
+    assert "| after DreamGym |" in (tmp_path / "runs" / "s2r" / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ reopened on --resume) → Mexp (SFT or cached checkpoint) → engines (embedded 
 endpoints are configured) → Mexp's fidelity on held-out real steps → held-out REAL
 evaluation → the RL phases (`rl_plan`), in each of which GRPO/PPO updates while N
 rollout workers play the curriculum's tasks (async, or `--sync`: roll out, then
-train) → held-out REAL evaluation → plots, summary.json, table (infra/run/report.py).
+train), with a held-out REAL evaluation between phases → held-out REAL evaluation → plots, summary.json, table (infra/run/report.py).
 
 The phases: DreamGym (synthetic environments); the real-environment baseline
 (`actors.env_kind=real`, within an exact budget of real transitions,
@@ -110,9 +110,13 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         probe = fidelity_probe(cfg, svc, offline) if live_fidelity else None
         history, phases = report.RunHistory(), []
         try:
-            for phase_cfg, label, until in plan:
+            for i, (phase_cfg, label, until) in enumerate(plan):
                 phases.append(await rl_phase(phase_cfg, svc, learner, curriculum, history, label, until, console,
                                              probe))
+                if evaluate and i < len(plan) - 1:  # sim-to-real: what the synthetic phase alone reached
+                    await learner.publish()
+                    phases[-1]["heldout_after"] = report.brief(
+                        await heldout_eval(cfg, svc, splits.heldout, f"after {label}", console))
         finally:
             if probe is not None:
                 await probe.wait()

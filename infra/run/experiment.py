@@ -176,7 +176,18 @@ def row(name: str, about: str, s: dict, baseline: dict | None, baseline_name: st
         d = compare(after.get("per_task", []), baseline["heldout_after"].get("per_task", []))
         out.update({"vs": baseline_name, "diff": d.diff, "diff_ci_low": d.ci_low, "diff_ci_high": d.ci_high,
                     "diff_tasks": d.tasks, "diff_excludes_zero": d.excludes_zero})
+    # Sim-to-real evaluates between its phases: what its synthetic phase alone reached, and what the
+    # real phase added on the same tasks (paired).
+    out["between_phases"] = [{"after": p["phase"], "success_rate": p["heldout_after"]["success_rate"],
+                              "episodes": p["heldout_after"]["episodes"],
+                              "gain_after": _paired(after, p["heldout_after"])}
+                             for p in s.get("phases", []) if p.get("heldout_after")]
     return out
+
+
+def _paired(a: dict, b: dict) -> dict:
+    d = compare(a.get("per_task", []), b.get("per_task", []))
+    return {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks}
 
 
 def results(exp: Experiment, summaries: dict[str, dict], anchors: dict[str, dict] | None = None) -> dict:
@@ -208,6 +219,12 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}] "
                      f"| {diff} | {r['real_transitions']} | {r['synthetic_transitions']} | {r['updates']} | {acc} "
                      f"| {dr} | {r['wall_seconds'] or 0:.0f} |")
+    for r in res["regimes"]:
+        for b in r.get("between_phases", []):
+            g = b["gain_after"]
+            lines += ["", f"{r['regime']} after its phase \"{b['after']}\": {_pct(b['success_rate'])} % on "
+                          f"{b['episodes']} episodes; the phases after it added {100 * g['diff']:+.1f} pts "
+                          f"[{100 * g['ci_low']:+.1f}, {100 * g['ci_high']:+.1f}] (paired, same tasks)."]
     if res.get("anchors"):
         lines += ["", "Scripted choosers on the same held-out games: " + ", ".join(
             f"{p} {_pct(a['success_rate'])} [{_pct(a['ci_low'])}, {_pct(a['ci_high'])}]"

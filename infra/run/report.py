@@ -123,16 +123,19 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
         bar.stop()
 
 
+def brief(r: dict | None) -> dict | None:
+    """What summary.json keeps of a held-out evaluation (the EvalReport as a dict)."""
+    keep = ("success_rate", "successes", "ci_low", "ci_high", "episodes", "mean_steps", "invalid_rate",
+            "seconds", "per_task")
+    return None if r is None else {k: r[k] for k in keep if k in r}
+
+
 def summary(cfg: Config, name: str, before: dict | None, after: dict | None, history: RunHistory, learner: Any,
             phases: list[dict], buffer_size: int, t_start: float, offline: list, fidelity: dict | None,
             counts: dict[str, int]) -> dict:
     """summary.json: the run's settings that matter, held-out success before and after (with per-task
     results, for paired comparisons), the RL phases, transitions by kind counted exactly, the history.
     `counts` (infra/budget.run_counts) cover every segment of a resumed run; `phases` only this one's."""
-    def brief(r: dict | None) -> dict | None:
-        keep = ("success_rate", "successes", "ci_low", "ci_high", "episodes", "mean_steps", "invalid_rate",
-                "seconds", "per_task")
-        return None if r is None else {k: r[k] for k in keep if k in r}
     return {
         "run": name, "algo": cfg.learner.algo, "sync": cfg.learner.sync, "env_kind": cfg.actors.env_kind,
         "family": cfg.actors.env_family,
@@ -182,7 +185,10 @@ def markdown(s: dict, images: list[str]) -> str:
              f"{s.get('weight_version', 0)}, {s.get('trajectories_trained', 0)} trajectories trained, "
              f"{s.get('train_seconds', 0):.0f} s of training ({s.get('total_seconds', 0):.0f} s in all).", "",
              "| held-out REAL tasks | success [95% CI] |", "|---|---|",
-             f"| before | {pct(s.get('heldout_before'))} |", f"| after | {pct(s.get('heldout_after'))} |", "",
+             f"| before | {pct(s.get('heldout_before'))} |",
+             *(f"| after {p['phase']} | {pct(p['heldout_after'])} |" for p in s.get("phases", [])
+               if p.get("heldout_after")),
+             f"| after | {pct(s.get('heldout_after'))} |", "",
              "| transitions | count |", "|---|---|",
              *(f"| {k.replace('_', ' ')} | {v} |" for k, v in tr.items()), ""]
     if s.get("phases"):
