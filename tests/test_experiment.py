@@ -235,6 +235,15 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert "Scripted choosers on the same held-out games: random" in (out / "results.md").read_text()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumable: nothing to redo
     assert again.returncode == 0 and again.stdout.count("finished earlier, skipped") == 2
+    # a regime stopped after a learner checkpoint (here: its summary lost) continues from it, and still
+    # reports the real transitions its earlier segment used (the run's Redis counter)
+    (out / "real_grpo" / "summary.json").unlink()
+    resumed = subprocess.run([*cmd, "--only", "real_grpo"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "real_grpo: resuming from" in resumed.stdout and not list(out.glob("real_grpo.old-*"))
+    assert "learner.learner: resumed from" in (out / "real_grpo" / "train.log").read_text()
+    rows = {r["regime"]: r for r in json.loads((out / "results.json").read_text())["regimes"]}
+    assert rows["real_grpo"]["real_transitions"] == 6
 
 
 def test_experiment_files_are_validated_before_anything_runs(tmp_path):

@@ -183,12 +183,15 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
     updates, until `until` updates, the wall-clock budget, or (real rollouts) the spent transition budget.
     `probe`: the live fidelity probe, started after every `simulator.fidelity_every` updates."""
     t0, updates0 = time.time(), learner.updates
+    real = StepBudget(svc.client, svc.prefix, cfg.actors.real_transitions) if cfg.actors.env_kind == "real" else None
     if updates0 >= until:  # a resumed run whose checkpoint already holds this phase: start no workers
         console.print(f"{label}: already at {updates0} of {until} updates (resumed); nothing to roll out")
-        return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": 0, "real_transitions": 0,
+        # the real transitions it used are on the run's Redis counter, which outlives the killed segment
+        return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": 0,
+                "real_transitions": await real.used() if real is not None else 0,
                 "synthetic_transitions": 0, "trajectories_pushed": 0, "trajectories_set_aside": {},
-                "trajectories_waiting": 0, "transition_budget_spent": False, "seconds": 0.0}
-    real = StepBudget(svc.client, svc.prefix, cfg.actors.real_transitions) if cfg.actors.env_kind == "real" else None
+                "trajectories_waiting": 0, "transition_budget_spent": real is not None and await real.spent(),
+                "seconds": 0.0}
     counts0, aside0 = await run_counts(svc.client, svc.prefix), learner.set_aside
     curriculum.real_only = real is not None
     stop = budget(cfg.infra.train_budget_s)

@@ -7,8 +7,9 @@ An experiment file (configs/experiments/*.yaml) names a `base` train preset, com
 `dreamgym train` run (a child process, so every regime starts from a clean slate)
 under `<run_dir>/<experiment>/<regime>/`, which leaves its summary.json: held-out
 real success with per-task results, real and synthetic transitions counted exactly,
-the Mexp's fidelity, wall time. Regimes that finished are skipped, so an interrupted
-experiment resumes where it stopped.
+the Mexp's fidelity, wall time. Regimes that finished are skipped, and one stopped
+after a learner checkpoint continues from it, so an interrupted experiment resumes
+where it stopped.
 
 The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
 the paired difference to the `compare_to` regime with a bootstrap interval over
@@ -43,6 +44,7 @@ from rich.table import Table
 
 from actors.confidence import compare, wilson_interval
 from infra.config import ConfigError, load_config
+from learner import checkpoint
 
 
 @dataclass
@@ -115,12 +117,13 @@ def finished(exp: Experiment, regime: Regime) -> dict | None:
     return summary if summary.get("heldout_after") is not None else None
 
 
-def run_regime(exp: Experiment, regime: Regime, console: Console) -> dict:
-    """One regime as a `dreamgym train` child process; its summary. Output goes to <regime>/train.log."""
+def run_regime(exp: Experiment, regime: Regime, console: Console, resume: bool = False) -> dict:
+    """One regime as a `dreamgym train` child process (`--resume`: from its latest checkpoint); its summary.
+    Output goes to <regime>/train.log."""
     out = run_dir(exp) / regime.name
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "infra.cli", "train", *exp.config_args(regime),
-           f"infra.run_dir={run_dir(exp)}", "--name", regime.name]
+           f"infra.run_dir={run_dir(exp)}", "--name", regime.name, *(["--resume"] if resume else [])]
     console.print(f"[bold]{regime.name}[/]: {regime.about or ''}")
     console.print(f"  {' '.join(cmd[1:])}", markup=False, highlight=False)
     t0 = time.time()
@@ -319,9 +322,14 @@ def run(args: argparse.Namespace) -> int:
                 continue
             console.rule(f"regime {i}/{len(todo)}: {r.name}")
             old = run_dir(exp) / r.name
-            if old.exists():  # a rerun, or a regime that died: start clean (a run dir holds its buffer, weights)
+            # a regime that was stopped after a learner checkpoint continues from it; a rerun, or one that
+            # died before its first, starts clean (a run dir holds its buffer, weights and Redis)
+            resume = old.exists() and r.name not in rerun and checkpoint.latest(old) is not None
+            if resume:
+                console.print(f"{r.name}: resuming from {checkpoint.latest(old)}")
+            elif old.exists():
                 old.rename(old.with_name(f"{r.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
-            run_regime(exp, r, console)
+            run_regime(exp, r, console, resume=resume)
     summaries = {r.name: s for r in exp.regimes if (s := finished(exp, r)) is not None}
     res = write_results(exp, summaries, run_anchors(exp, console))
     print_table(res, console)
