@@ -196,7 +196,6 @@ class SimulatorConfig:
     hnsw_ef_construct: int = _f(100, "Qdrant Edge HNSW: ef_construct at index build.", POSITIVE)
     hnsw_ef: int = _f(64, "Qdrant Edge HNSW: ef at query time (higher = better recall, slower).", POSITIVE)
     state_chars: int = _f(200, "Most characters of a retrieved transition's effect shown in a Mexp prompt (keeps prompts short).", POSITIVE)
-    retrieved_todo: bool = _f(True, "Show a retrieved TextWorld transition's to-do check (its own quest's goals, marked done or not yet) in Mexp's prompt; off shows its effect without it.")
     sft_epochs: int = _f(1, "`dreamgym train-mexp`: passes over the training examples.", POSITIVE)
     sft_lr: float = _f(5e-5, "`dreamgym train-mexp`: AdamW learning rate (use ~1e-3 with LoRA).", POSITIVE)
     sft_batch_size: int = _f(4, "`dreamgym train-mexp`: examples per gradient step.", POSITIVE)

@@ -297,8 +297,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # The simulator settings that shape an SFT checkpoint (the rest only matter at inference).
-SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k", "history_window", "state_chars",
-                  "retrieved_todo")
+SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k", "history_window", "state_chars")
 
 
 def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int) -> dict:
@@ -314,8 +313,6 @@ def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int
         del shaping["sft_reward_share"]
     if shaping["sft_outcome_weight"] == 1.0:  # the unweighted loss, as before the setting existed
         del shaping["sft_outcome_weight"]
-    if shaping["retrieved_todo"]:  # the prompt as before the setting existed
-        del shaping["retrieved_todo"]
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT, **shaping}
 
 

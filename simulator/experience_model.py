@@ -65,8 +65,7 @@ class ExperienceModel:
     def prompt(self, task: Task, history: Sequence[Any], retrieved: Sequence[Transition], state: str,
                action: str) -> str:
         msgs = prompts.step_messages(task, history, retrieved, state, action, reasoning=self.cfg.reasoning,
-                                     history_window=self.cfg.history_window, state_chars=self.cfg.state_chars,
-                                     retrieved_todo=self.cfg.retrieved_todo)
+                                     history_window=self.cfg.history_window, state_chars=self.cfg.state_chars)
         return prompts.render(self.tokenizer, msgs, prompts.prefill(self.cfg.reasoning))
 
     async def step(self, task: Task, history: Sequence[Any], state: str, action: str,

@@ -10,8 +10,7 @@ Departure from the paper: prompts are kept short for a 135M model on CPU (target
 under ~400 tokens). The history window shows past actions only (the current state
 already summarises their effect), and a retrieved transition is shown as its action,
 its effect (its reasoning, clipped to `state_chars` characters; its next state when it
-has none; without its to-do check when `simulator.retrieved_todo` is off), reward and done,
-not as two full states. The state's "Goal: ..." line never changes within an
+has none), reward and done, not as two full states. The state's "Goal: ..." line never changes within an
 episode and repeats the task instruction, so Mexp neither sees it in states nor
 writes it: `split_goal` removes it from every state in the prompt and from the
 target, and `join_goal` puts the current state's goal line back on the parsed next
@@ -60,28 +59,20 @@ def clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[:n].rstrip() + " …"
 
 
-TODO_CHECK = "; to do:"  # where a TextWorld rationale's check of its own quest's to-do list starts
-
-
-def _example(t: Transition, state_chars: int, todo: bool = True) -> str:
+def _example(t: Transition, state_chars: int) -> str:
     # An example is its action and effect, not its two full states: on TextWorld the
     # states cost ~150 tokens each, the effect (the env-facts rationale, or Mexp's
     # reasoning for synthetic ones) ~30, and the effect is what grounds the dynamics.
-    # `todo=False` drops the effect's to-do check: it is about another quest's goals.
-    effect = t.reasoning.strip() or split_goal(t.next_state)[1]
-    if not todo:
-        effect = effect.split(TODO_CHECK)[0]
-    return f"- {t.action} -> {clip(effect, state_chars)} (reward {t.reward:g}, done {str(bool(t.done)).lower()})"
+    effect = clip(t.reasoning, state_chars) if t.reasoning.strip() else clip(split_goal(t.next_state)[1], state_chars)
+    return f"- {t.action} -> {effect} (reward {t.reward:g}, done {str(bool(t.done)).lower()})"
 
 
 def step_messages(task: Task, history: Sequence[Any], retrieved: Sequence[Transition], state: str, action: str,
-                  *, reasoning: bool = True, history_window: int = 3, state_chars: int = 600,
-                  retrieved_todo: bool = True) -> list[dict]:
+                  *, reasoning: bool = True, history_window: int = 3, state_chars: int = 600) -> list[dict]:
     """Chat messages for one step. `history` holds past steps (anything with `.action`, or action strings)."""
     parts = [f"Task: {task.instruction.strip()}"]
     if retrieved:
-        parts.append("Similar past transitions:\n" + "\n".join(_example(t, state_chars, retrieved_todo)
-                                                                  for t in retrieved))
+        parts.append("Similar past transitions:\n" + "\n".join(_example(t, state_chars) for t in retrieved))
     past = [h if isinstance(h, str) else h.action for h in history][-history_window:] if history_window else []
     if past:
         parts.append("Previous actions: " + "; ".join(past))

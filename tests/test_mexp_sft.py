@@ -42,17 +42,7 @@ def test_examples_are_the_inference_prompt_and_a_parseable_target(data_dir):
     cfg = SimulatorConfig(top_k=2)
     ex = build_examples(train, tok, cfg, buf)
     assert "Similar past transitions" in ex[0].prompt
-    # simulator.retrieved_todo=false: the neighbours' effects lose their to-do checks (another quest's
-    # goals), and nothing else in the prompt or the target changes
-    plain = build_examples(train, tok, SimulatorConfig(top_k=2, retrieved_todo=False), buf)
     buf.close()
-
-    def neighbours(prompt: str) -> str:
-        return prompt.split("Similar past transitions:")[1].split("Current state:")[0]
-    assert any("; to do:" in neighbours(e.prompt) for e in ex)
-    assert not any("to do:" in neighbours(e.prompt) for e in plain)
-    assert [e.reasoning_target for e in plain] == [e.reasoning_target for e in ex]
-    assert all(e.prompt.split("Current state:")[1] == q.prompt.split("Current state:")[1] for e, q in zip(ex, plain))
     assert ex and all(e.prompt.endswith("<think>") for e in ex)
     first = ex[0]
     assert parse_mexp_output("<think>" + first.reasoning_target + first.rest_target).reward == first.truth.reward
@@ -117,8 +107,6 @@ def test_capped_examples_take_the_asked_share_of_rewarded_steps():
     assert cache_settings(SimulatorConfig(sft_reward_share=0.4), "m", "o", 0)["sft_reward_share"] == 0.4
     assert cache_settings(SimulatorConfig(sft_outcome_weight=5.0), "m", "o", 0)["sft_outcome_weight"] == 5.0
     assert "sft_outcome_weight" not in cache_settings(SimulatorConfig(), "m", "o", 0)
-    assert "retrieved_todo" not in cache_settings(SimulatorConfig(), "m", "o", 0)
-    assert cache_settings(SimulatorConfig(retrieved_todo=False), "m", "o", 0)["retrieved_todo"] is False
 
 
 def test_outcome_weighted_loss_against_a_plain_loop():
