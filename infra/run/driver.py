@@ -13,7 +13,8 @@ reopened on --resume) → Mexp (SFT or cached checkpoint) → engines (embedded 
 endpoints are configured) → Mexp's fidelity on held-out real steps → held-out REAL
 evaluation → the RL phases (`rl_plan`), in each of which GRPO/PPO updates while N
 rollout workers play the curriculum's tasks (async, or `--sync`: roll out, then
-train), with a held-out REAL evaluation between phases → held-out REAL evaluation → plots, summary.json, table (infra/run/report.py).
+train), with a held-out REAL evaluation between phases → held-out REAL evaluation →
+plots, summary.json, table (infra/run/report.py).
 
 The phases: DreamGym (synthetic environments); the real-environment baseline
 (`actors.env_kind=real`, within an exact budget of real transitions,

@@ -324,12 +324,12 @@ def run(args: argparse.Namespace) -> int:
             old = run_dir(exp) / r.name
             # a regime that was stopped after a learner checkpoint continues from it; a rerun, or one that
             # died before its first, starts clean (a run dir holds its buffer, weights and Redis)
-            resume = old.exists() and r.name not in rerun and checkpoint.latest(old) is not None
-            if resume:
-                console.print(f"{r.name}: resuming from {checkpoint.latest(old)}")
+            last = checkpoint.latest(old) if old.exists() and r.name not in rerun else None
+            if last is not None:
+                console.print(f"{r.name}: resuming from {last}")
             elif old.exists():
                 old.rename(old.with_name(f"{r.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
-            run_regime(exp, r, console, resume=resume)
+            run_regime(exp, r, console, resume=last is not None)
     summaries = {r.name: s for r in exp.regimes if (s := finished(exp, r)) is not None}
     res = write_results(exp, summaries, run_anchors(exp, console))
     print_table(res, console)
