@@ -16,6 +16,7 @@ honours `sampling_seed` only with `--enable-deterministic-inference` (add it thr
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import logging
 import os
@@ -92,7 +93,9 @@ class ProcessSupervisor:
         try:
             with urllib.request.urlopen(self.health_url, timeout=5) as r:
                 return r.status == 200
-        except OSError:
+        # HTTPException: a port probed before the server listens can connect to itself (TCP self-connect in
+        # the ephemeral range) and read back its own request line, "GET /health HTTP/1.1": not healthy yet
+        except (OSError, http.client.HTTPException):
             return False
 
     def alive(self) -> bool:
