@@ -46,6 +46,7 @@ class TrainState:
     consumed_ids: list = field(default_factory=list)  # the dedupe memory: trained or set aside
     extra: dict = field(default_factory=dict)
     lineage: list = field(default_factory=list)  # trajectory ids trained into these weights (last 50k)
+    trained: int = 0  # trajectories trained into these weights, over every segment of the run
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -100,7 +101,8 @@ def save(run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Opt
         "rng": rng_state(),
         "train_state": {"weight_version": state.weight_version, "updates": state.updates,
                         "last_entry_id": state.last_entry_id, "consumed_ids": list(state.consumed_ids),
-                        "extra": state.extra, "lineage": list(state.lineage)},
+                        "extra": state.extra, "lineage": list(state.lineage),
+                        "trained": state.trained},
     }
     torch.save(payload, tmp / STATE_FILE)
     if final.exists():
@@ -124,8 +126,10 @@ def read(path: str | Path) -> dict[str, Any]:
 
 def train_state(payload: dict[str, Any]) -> TrainState:
     ts = payload["train_state"]
+    lineage = list(ts.get("lineage", []))
     return TrainState(ts["weight_version"], ts["updates"], ts.get("last_entry_id", ""),
-                      list(ts.get("consumed_ids", [])), dict(ts.get("extra", {})), list(ts.get("lineage", [])))
+                      list(ts.get("consumed_ids", [])), dict(ts.get("extra", {})), lineage,
+                      ts.get("trained", len(lineage)))  # older checkpoints: the (bounded) lineage
 
 
 def load(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,

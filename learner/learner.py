@@ -122,6 +122,7 @@ class Learner:
         self.updates = 0
         self.failed_updates: dict[str, int] = {}  # reason kind -> updates undone (non-finite, errors)
         self.dead_lettered = 0  # trajectories this learner moved to the dead-letter stream
+        self._trained_before = 0  # trajectories trained by the run's earlier segments (from the checkpoint)
         self.extra: dict[str, Any] = {}  # saved with checkpoints (curriculum state etc.)
         # One dedicated update thread with its own torch threads and priority (see the module docstring).
         self._compute = concurrent.futures.ThreadPoolExecutor(
@@ -136,8 +137,8 @@ class Learner:
 
     @property
     def trained(self) -> int:
-        """Trajectories used by updates so far."""
-        return len(self.batches.consumed_ids)
+        """Trajectories used by updates so far, counting the segments before a resume."""
+        return self._trained_before + len(self.batches.consumed_ids)
 
     @property
     def discarded(self) -> dict[str, int]:
@@ -286,7 +287,7 @@ class Learner:
         for name, (get, _) in self._state_hooks.items():
             self.extra[name] = get()
         state = ckpt.TrainState(self.version, self.updates, self.batches.last_entry_id, self.batches.seen_ids(),
-                                dict(self.extra), list(self.batches.lineage))
+                                dict(self.extra), list(self.batches.lineage), self.trained)
         tensors = self.ranks.state(self.optimizer) if self.ranks is not None else None
         path = ckpt.save(self.run_dir, self.policy, self.optimizer, state, keep=self.cfg.keep_checkpoints,
                          tensors=tensors)
@@ -301,6 +302,7 @@ class Learner:
         state = self.ranks.load(path, self.optimizer) if self.ranks is not None \
             else ckpt.load(path, self.policy, self.optimizer)
         self.version, self.updates = state.weight_version, state.updates
+        self._trained_before = state.trained - len(self.batches.consumed_ids)
         self.batches.restore(state.consumed_ids, state.last_entry_id, state.lineage)
         self.extra = state.extra
         for name, (_, set_) in self._state_hooks.items():

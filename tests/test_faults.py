@@ -359,6 +359,10 @@ def test_kill_9_of_the_whole_train_job_inside_an_update_then_resume_loses_nothin
     if saved_at_kill == "step_000002":  # update 3 was trained and not saved: it must come back
         assert summary["trajectories_redelivered"] >= 4
     assert figures["trained"] == 6 * 4  # PPO, 2 groups x 2 per update, each trained once into the lineage
+    # the summary counts both segments: trajectories trained, and the update history up to the checkpoint
+    assert summary["trajectories_trained"] == 6 * 4
+    assert [r["version"] for r in summary["history"]] == list(range(1, 7))
+    assert summary["train_seconds"] >= summary["history"][-1]["t"] > summary["history"][1]["t"]
 
 
 @pytest.mark.slow

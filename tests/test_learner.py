@@ -135,6 +135,7 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     assert learner2.resume()
     assert restored == {"pool": ["t1"], "round": 0}
     assert learner2.version == 2 and learner2.updates == 2
+    assert learner2.trained == learner.trained == 4  # counted over both processes, not from 0
     trained = {n: p for n, p in lora_policy.named_parameters() if p.requires_grad}
     for n, p in fresh.named_parameters():
         if p.requires_grad:
@@ -143,6 +144,7 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     await producer2.add([encode(e[1]), encode(c2)])
     s3 = await run_until_update(learner2)
     assert s3.version == 3 and learner2.consumed_ids == [c1.trajectory_id, c2.trajectory_id]
+    assert learner2.trained == 6
     assert s3.discarded.get("duplicate") == 1
     info = {g["name"].decode(): g for g in await client2.xinfo_groups(stream)}
     assert info["learner"]["pending"] == 0

@@ -22,6 +22,23 @@ def test_plots_summary_and_table(tmp_path):
     assert t.row_count == 1 and "updates: 3" in t.caption
 
 
+def test_a_resumed_history_continues_the_rows_and_clocks_up_to_its_checkpoint(tmp_path):
+    first = RunHistory(path=tmp_path / "history.json", started=100.0, run_started=50.0)
+    for v in range(1, 4):  # version 3's update was made, but the run stopped before its checkpoint
+        first.record(version=v, loss=1.0)
+    assert json.loads(first.path.read_text()) == first.rows and first.rows[0]["wall"] > first.rows[0]["t"]
+    again = RunHistory(path=first.path)
+    again.resume(version=2)
+    assert [r["version"] for r in again.rows] == [1, 2]
+    assert again.earlier_s == first.rows[1]["t"] and again.earlier_wall_s == first.rows[1]["wall"]
+    assert again.seconds >= first.rows[1]["t"] and again.wall_seconds >= first.rows[1]["wall"]
+    again.record(version=3, loss=0.5)
+    assert [r["version"] for r in json.loads(first.path.read_text())] == [1, 2, 3]
+    fresh = RunHistory(path=tmp_path / "none.json")
+    fresh.resume(version=5)  # nothing saved: nothing to continue
+    assert fresh.rows == [] and fresh.earlier_s == 0.0
+
+
 def test_empty_history_still_draws(tmp_path):
     assert len(write_plots(RunHistory(), tmp_path)) == len(PLOTS)
 

@@ -109,7 +109,9 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
             if evaluate and plan and cfg.evaluation.before else None
 
         probe = fidelity_probe(cfg, svc, offline) if live_fidelity else None
-        history, phases = report.RunHistory(), []
+        history, phases = report.RunHistory(path=svc.run_dir / "history.json", run_started=t_start), []
+        if resume and learner is not None:
+            history.resume(learner.version)  # the earlier segments' rows and clocks
         try:
             for i, (phase_cfg, label, until) in enumerate(plan):
                 phases.append(await rl_phase(phase_cfg, svc, learner, curriculum, history, label, until, console,

@@ -35,22 +35,49 @@ PLOTS = (("success_rate", "success (synthetic)"), ("mean_reward", "mean reward")
 
 @dataclass
 class RunHistory:
-    """One row per learner update, timed from the start of training."""
+    """One row per learner update, timed from the start of training.
+
+    With `path` set, every row is also written there (`runs/<name>/history.json`), so a resumed
+    run continues its earlier segments' rows up to the checkpoint it resumed from (`resume`),
+    and both clocks count those segments: `seconds` (training) and `wall_seconds` (the run,
+    from `run_started`). Time between that checkpoint and the stop is not counted."""
 
     started: float = field(default_factory=time.time)
     rows: list[dict] = field(default_factory=list)
     ended: float | None = None
+    path: Path | None = None
+    run_started: float = field(default_factory=time.time)
+    earlier_s: float = 0.0  # training seconds of the earlier segments, to the checkpoint resumed from
+    earlier_wall_s: float = 0.0  # their wall seconds
 
     def record(self, **values: Any) -> None:
-        self.rows.append({"t": time.time() - self.started, **values})
+        self.rows.append({"t": self.seconds, "wall": self.wall_seconds, **values})
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.rows))
+            tmp.replace(self.path)
+
+    def resume(self, version: int) -> None:
+        """Take the earlier segments' rows up to weight `version` (the checkpoint resumed from) from `path`."""
+        if self.path is None or not self.path.exists():
+            return
+        earlier = [r for r in json.loads(self.path.read_text()) if r.get("version", 0) <= version]
+        if earlier:
+            self.earlier_s, self.earlier_wall_s = earlier[-1]["t"], earlier[-1].get("wall", earlier[-1]["t"])
+        self.rows = earlier + self.rows
 
     def end(self) -> None:
         self.ended = time.time()
 
     @property
     def seconds(self) -> float:
-        """Training wall time: from the start to `end()` (or now)."""
-        return (self.ended or time.time()) - self.started
+        """Training wall time: from the start to `end()` (or now), plus the earlier segments'."""
+        return self.earlier_s + (self.ended or time.time()) - self.started
+
+    @property
+    def wall_seconds(self) -> float:
+        """The run's wall time so far, plus the earlier segments'."""
+        return self.earlier_wall_s + time.time() - self.run_started
 
 
 def write_plots(history: RunHistory, out_dir: Path) -> list[Path]:
@@ -111,7 +138,7 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
     def on_update(s: Any) -> None:
         history.record(phase=where, version=s.version, loss=s.loss, kl=s.kl, mean_reward=s.mean_reward,
                        success_rate=s.success_rate, staleness=s.mean_staleness,
-                       traj_per_s=learner.trained / max(1e-9, time.time() - history.started),
+                       traj_per_s=learner.trained / max(1e-9, history.seconds),
                        discarded=s.discarded, tokens=s.tokens, update_s=round(s.seconds, 2))
         bar.update(task, completed=s.version, info=f"loss {s.loss:.3f} reward {s.mean_reward:.2f} "
                                                     f"success {s.success_rate:.2f} stale {s.mean_staleness:.1f}")
@@ -135,7 +162,8 @@ def summary(cfg: Config, name: str, before: dict | None, after: dict | None, his
             counts: dict[str, int]) -> dict:
     """summary.json: the run's settings that matter, held-out success before and after (with per-task
     results, for paired comparisons), the RL phases, transitions by kind counted exactly, the history.
-    `counts` (infra/budget.run_counts) cover every segment of a resumed run; `phases` only this one's."""
+    `counts` (infra/budget.run_counts), the trajectories trained, the history and its clocks cover every
+    segment of a resumed run (the last two up to the checkpoint it resumed from); `phases` only this one's."""
     return {
         "run": name, "algo": cfg.learner.algo, "sync": cfg.learner.sync, "env_kind": cfg.actors.env_kind,
         "family": cfg.actors.env_family,
@@ -152,7 +180,7 @@ def summary(cfg: Config, name: str, before: dict | None, after: dict | None, his
                         "synthetic": counts["synthetic_steps_pushed"]},
         "phases": phases, "mexp_fidelity": fidelity,
         "replay_buffer_size": buffer_size,
-        "train_seconds": round(history.seconds, 1), "total_seconds": round(time.time() - t_start, 1),
+        "train_seconds": round(history.seconds, 1), "total_seconds": round(history.wall_seconds, 1),
         "started_at": round(t_start, 3), "ended_at": round(time.time(), 3),
         "history": history.rows,
     }
