@@ -14,6 +14,10 @@ buffer), so this module only reads the buffer.
 The buffer may be a local object or a remote proxy whose methods return
 awaitables (the buffer actor); both are accepted. Switches for the paper's
 ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
+
+Departure from the paper: with `cfg.reward_check`, a reward of 1 that the reply's own
+reasoning contradicts (its to-do check still says "(not yet)", simulator/mexp_output.py
+`contradicted_reward`) is set to 0; the next state and done stay as Mexp wrote them.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from infra import metrics
 from infra.config import SimulatorConfig
 from infra.schema import Task
 from simulator import prompts
-from simulator.mexp_output import MexpOutput, MexpParseError, parse_mexp_output, parse_state_only
+from simulator.mexp_output import MexpOutput, MexpParseError, contradicted_reward, parse_mexp_output, parse_state_only
 from simulator.replay_buffer import Transition
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class ExperienceModel:
         self.tokenizer = tokenizer
         self.attempts = 0
         self.parse_failures = 0
+        self.contradicted = 0  # rewards set to 0 because the reply's own reasoning contradicted them
 
     async def retrieve(self, state: str, action: str, episode_id: str) -> list[Transition]:
         if not self.cfg.retrieval or self.buffer is None or self.cfg.top_k <= 0:
@@ -76,6 +81,10 @@ class ExperienceModel:
         head = prompts.prefill(self.cfg.reasoning)
         out = await self._sample(prompt, head, parse_mexp_output, episode_id)
         out.next_state = prompts.join_goal(prompts.split_goal(state)[0], out.next_state)
+        if self.cfg.reward_check and contradicted_reward(out):  # its own check says not yet: no reward
+            out.reward, out.contradicted = 0.0, True
+            self.contradicted += 1
+            metrics.SIMULATOR_CONTRADICTED_REWARDS.inc()
         metrics.SIMULATOR_STEPS.inc()
         return out
 

@@ -21,6 +21,11 @@ contain the exact boundary `</think>` + `<state>`.
 
 Every failure is a `MexpParseError` with a short `reason` (used as the metric
 label): "not_text", "structure", "reward", "done", "state".
+
+`contradicted_reward(out)` reads a parsed reply against itself: a reward of 1 whose
+own reasoning still marks a to-do item "(not yet)" (the env-facts rationale's check,
+actors/envs/textworld_env.py `facts_rationale`). The experience model applies it
+(`simulator.reward_check`); this module only says whether the reply contradicts itself.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from actors.envs.base import StateFormatError, validate_state
 
 _TAIL = re.compile(r"</state>\s*<reward>\s*([^<>]*?)\s*</reward>\s*<done>\s*([^<>]*?)\s*</done>\s*\Z", re.S)
 _BOUNDARY = re.compile(r"</think>\s*<state>", re.S)
+_NOT_YET = re.compile(r"\(not yet\)")
 _TRUE = {"true", "yes", "1"}
 _FALSE = {"false", "no", "0"}
 MAX_CHARS = 20_000
@@ -52,6 +58,7 @@ class MexpOutput:
     next_state: str
     reward: float
     done: bool
+    contradicted: bool = False  # a reward of 1 set to 0 by the reward check (simulator/experience_model.py)
 
 
 def parse_mexp_output(text: str) -> MexpOutput:
@@ -83,6 +90,15 @@ def parse_mexp_output(text: str) -> MexpOutput:
     except StateFormatError as exc:
         raise MexpParseError("state", str(exc)) from None
     return MexpOutput(reasoning, state, reward, done)
+
+
+def contradicted_reward(out: MexpOutput) -> bool:
+    """True when `out` rewards the step while its reasoning's to-do check leaves an item "(not yet)".
+
+    The 135M Mexp's false rewards mostly look like this: the check it writes says an item is
+    still to do, and the state it writes next says "To do: nothing" with reward 1 (stop 33: 14 of
+    its 21 false rewards on 96 held-out real steps). A real win marks every item done."""
+    return out.reward >= 0.5 and bool(_NOT_YET.search(out.reasoning))
 
 
 def parse_state_only(text: str) -> str:

@@ -113,6 +113,24 @@ async def test_retries_then_rejects_and_counts(tokenizer):
 
 
 @pytest.mark.slow
+async def test_a_reward_its_own_check_contradicts_is_set_to_zero(tokenizer):
+    false_win = ("put apple in fridge: now apple in fridge; to do: apple in fridge (done), fridge closed (not yet)"
+                 "</think><state>\nRoom: Kitchen.\nTo do: nothing\nActions:\n[1] close fridge\n</state>"
+                 "<reward>1</reward><done>true")
+    true_win = false_win.replace("(not yet)", "(done)")
+    before = _count(metrics.SIMULATOR_CONTRADICTED_REWARDS)
+    mexp = ExperienceModel(ScriptedClient([false_win, true_win, WIN]), None, SimulatorConfig(retrieval=False), tokenizer)
+    out = await mexp.step(TASK, [], START, "put apple in fridge", "e")
+    assert out.reward == 0.0 and out.done is True and "To do: nothing" in out.next_state  # only the reward changes
+    assert (await mexp.step(TASK, [], START, "put apple in fridge", "e")).reward == 1.0  # every item done
+    assert (await mexp.step(TASK, [], START, "put apple in fridge", "e")).reward == 1.0  # no check written: kept
+    assert mexp.contradicted == 1 and _count(metrics.SIMULATOR_CONTRADICTED_REWARDS) == before + 1
+    off = ExperienceModel(ScriptedClient([false_win]), None, SimulatorConfig(retrieval=False, reward_check=False),
+                          tokenizer)
+    assert (await off.step(TASK, [], START, "put apple in fridge", "e")).reward == 1.0
+
+
+@pytest.mark.slow
 async def test_synthetic_episode_invalid_actions_win_and_truncation(tokenizer):
     client = ScriptedClient([GOOD, WIN])
     env = SyntheticEnv(ExperienceModel(client, None, SimulatorConfig(retrieval=False), tokenizer), max_steps=3)

@@ -88,6 +88,8 @@ def test_summarize_says_how_rare_rewards_are_predicted():
     assert s["reward_accuracy_all_zero"] == pytest.approx(3 / 5)
     nothing = summarize([rec(0.0, 0.0)])
     assert math.isnan(nothing["reward_recall"]) and math.isnan(nothing["reward_precision"])
+    checked = summarize([rec(1.0, 1.0), {**rec(0.0, 0.0), "contradicted": True}])  # a false reward the check undid
+    assert checked["rewards_contradicted"] == 1 and checked["reward_precision"] == 1.0
 
 
 @pytest.mark.slow
