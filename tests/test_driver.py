@@ -36,7 +36,11 @@ async def test_train_then_resume_continues_the_run(tiny_run, tmp_path):
 
     second = await train(_cfg(tiny_run, 3), "resume-me", resume=True, evaluate=False)
     assert second["updates"] == 3 and second["weight_version"] == 3
-    assert [r["version"] for r in second["history"]] == [3]  # one new update, not three
+    assert second["phases"][0]["updates"] == 1  # one new update, not three
+    # the summary goes on from the first segment: its update rows, trajectories trained and clocks
+    assert [r["version"] for r in second["history"]] == [1, 2, 3]
+    assert second["trajectories_trained"] > first["trajectories_trained"] > 0
+    assert second["train_seconds"] > first["history"][-1]["t"]
     assert second["replay_buffer_size"] == first["replay_buffer_size"] == 0  # real rollouts open no replay buffer
     saved = json.loads((tmp_path / "runs" / "resume-me" / "summary.json").read_text())
     assert saved["weight_version"] == 3
