@@ -16,8 +16,8 @@ awaitables (the buffer actor); both are accepted. Switches for the paper's
 ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
 
 Departure from the paper: with `cfg.reward_check`, a reward of 1 that the reply's own
-reasoning contradicts (its to-do check still says "(not yet)", simulator/mexp_output.py
-`contradicted_reward`) is set to 0; the next state and done stay as Mexp wrote them.
+reasoning contradicts (its to-do check marks an item of the state's To do line "(not yet)" or
+leaves one out, simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state and done stay as Mexp wrote them.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class ExperienceModel:
         head = prompts.prefill(self.cfg.reasoning)
         out = await self._sample(prompt, head, parse_mexp_output, episode_id)
         out.next_state = prompts.join_goal(prompts.split_goal(state)[0], out.next_state)
-        if self.cfg.reward_check and contradicted_reward(out):  # its own check says not yet: no reward
+        if self.cfg.reward_check and contradicted_reward(out, state):  # its own check leaves an item to do: no reward
             out.reward, out.contradicted = 0.0, True
             self.contradicted += 1
             metrics.SIMULATOR_CONTRADICTED_REWARDS.inc()

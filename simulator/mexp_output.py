@@ -22,9 +22,9 @@ contain the exact boundary `</think>` + `<state>`.
 Every failure is a `MexpParseError` with a short `reason` (used as the metric
 label): "not_text", "structure", "reward", "done", "state".
 
-`contradicted_reward(out)` reads a parsed reply against itself: a reward of 1 whose
-own reasoning still marks a to-do item "(not yet)" (the env-facts rationale's check,
-actors/envs/textworld_env.py `facts_rationale`). The experience model applies it
+`contradicted_reward(out, state)` reads a parsed reply against itself: a reward of 1
+whose own reasoning does not check off every item of the state's To do line (the
+env-facts rationale's check, actors/envs/textworld_env.py `facts_rationale`). The experience model applies it
 (`simulator.reward_check`); this module only says whether the reply contradicts itself.
 """
 
@@ -38,7 +38,7 @@ from actors.envs.base import StateFormatError, validate_state
 
 _TAIL = re.compile(r"</state>\s*<reward>\s*([^<>]*?)\s*</reward>\s*<done>\s*([^<>]*?)\s*</done>\s*\Z", re.S)
 _BOUNDARY = re.compile(r"</think>\s*<state>", re.S)
-_NOT_YET = re.compile(r"\(not yet\)")
+_TODO_LINE = re.compile(r"^To do:(.*)$", re.M)
 _TRUE = {"true", "yes", "1"}
 _FALSE = {"false", "no", "0"}
 MAX_CHARS = 20_000
@@ -92,13 +92,27 @@ def parse_mexp_output(text: str) -> MexpOutput:
     return MexpOutput(reasoning, state, reward, done)
 
 
-def contradicted_reward(out: MexpOutput) -> bool:
-    """True when `out` rewards the step while its reasoning's to-do check leaves an item "(not yet)".
+def contradicted_reward(out: MexpOutput, state: str) -> bool:
+    """True when `out` rewards the step although its own reasoning does not check off every item
+    that `state` (the state the step started from) lists under "To do:": an item it marks
+    "(not yet)", or one it does not mention at all.
 
-    The 135M Mexp's false rewards mostly look like this: the check it writes says an item is
-    still to do, and the state it writes next says "To do: nothing" with reward 1 (stop 33: 14 of
-    its 21 false rewards on 96 held-out real steps). A real win marks every item done."""
-    return out.reward >= 0.5 and bool(_NOT_YET.search(out.reasoning))
+    The env-facts rationale Mexp learns to write (actors/envs/textworld_env.py
+    `facts_rationale`) copies each To do item and marks it done or not yet, and a quest is won
+    exactly when every item is done. The 135M Mexp's false rewards mostly break that: its check
+    says an item is still to do, or leaves one out, and the state it writes next says "To do:
+    nothing" with reward 1. Items its check copies from the retrieved neighbours ("chest locked
+    (not yet)" in a game with no chest) do not count. A state with no To do line (other
+    environments): any "(not yet)" in the reasoning. A reply with no reasoning is never contradicted."""
+    if out.reward < 0.5 or not out.reasoning.strip():  # no reasoning (the w/o-reasoning ablation): no check
+        return False
+    reasoning = out.reasoning.lower()
+    line = _TODO_LINE.search(state)
+    if line is None:
+        return "(not yet)" in reasoning
+    items = [i.strip() for i in line.group(1).lower().split(",")]
+    items = [i for i in items if i and i != "nothing"]
+    return any(i not in reasoning or f"{i} (not yet)" in reasoning for i in items)
 
 
 def parse_state_only(text: str) -> str:

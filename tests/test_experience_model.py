@@ -114,20 +114,36 @@ async def test_retries_then_rejects_and_counts(tokenizer):
 
 @pytest.mark.slow
 async def test_a_reward_its_own_check_contradicts_is_set_to_zero(tokenizer):
-    false_win = ("put apple in fridge: now apple in fridge; to do: apple in fridge (done), fridge closed (not yet)"
-                 "</think><state>\nRoom: Kitchen.\nTo do: nothing\nActions:\n[1] close fridge\n</state>"
-                 "<reward>1</reward><done>true")
-    true_win = false_win.replace("(not yet)", "(done)")
+    todo = START.replace("\nActions:", "\nTo do: apple in fridge, fridge closed\nActions:")
+
+    def reply(check: str, reasoning: bool = True) -> str:
+        think = f"put apple in fridge: now apple in fridge; to do: {check}</think>" if reasoning else ""
+        return think + "<state>\nRoom: Kitchen.\nTo do: nothing\nActions:\n[1] close fridge\n</state><reward>1</reward><done>true"
+
+    contradicted = [reply("apple in fridge (done), fridge closed (not yet)"),  # an item still to do
+                    reply("apple in fridge (done)")]  # an item left out
+    kept = [reply("apple in fridge (done), fridge closed (done)"),  # every item done
+            reply("apple in fridge (done), fridge closed (done), chest locked (not yet)")]  # a copied item
     before = _count(metrics.SIMULATOR_CONTRADICTED_REWARDS)
-    mexp = ExperienceModel(ScriptedClient([false_win, true_win, WIN]), None, SimulatorConfig(retrieval=False), tokenizer)
-    out = await mexp.step(TASK, [], START, "put apple in fridge", "e")
-    assert out.reward == 0.0 and out.done is True and "To do: nothing" in out.next_state  # only the reward changes
-    assert (await mexp.step(TASK, [], START, "put apple in fridge", "e")).reward == 1.0  # every item done
-    assert (await mexp.step(TASK, [], START, "put apple in fridge", "e")).reward == 1.0  # no check written: kept
-    assert mexp.contradicted == 1 and _count(metrics.SIMULATOR_CONTRADICTED_REWARDS) == before + 1
-    off = ExperienceModel(ScriptedClient([false_win]), None, SimulatorConfig(retrieval=False, reward_check=False),
+    mexp = ExperienceModel(ScriptedClient(contradicted + kept), None, SimulatorConfig(retrieval=False), tokenizer)
+    for _ in contradicted:
+        out = await mexp.step(TASK, [], todo, "put apple in fridge", "e")
+        assert out.reward == 0.0 and out.contradicted and out.done is True  # only the reward changes
+        assert "To do: nothing" in out.next_state
+    for _ in kept:
+        assert (await mexp.step(TASK, [], todo, "put apple in fridge", "e")).reward == 1.0
+    assert mexp.contradicted == 2 and _count(metrics.SIMULATOR_CONTRADICTED_REWARDS) == before + 2
+    # no To do line in the state: any "(not yet)" contradicts; no reasoning (w/o reasoning): nothing to check
+    no_line = ExperienceModel(ScriptedClient([contradicted[0], kept[0]]), None, SimulatorConfig(retrieval=False),
+                              tokenizer)
+    assert (await no_line.step(TASK, [], START, "put apple in fridge", "e")).reward == 0.0
+    assert (await no_line.step(TASK, [], START, "put apple in fridge", "e")).reward == 1.0
+    bare = ExperienceModel(ScriptedClient([reply("", reasoning=False)]), None,
+                           SimulatorConfig(retrieval=False, reasoning=False), tokenizer)
+    assert (await bare.step(TASK, [], todo, "put apple in fridge", "e")).reward == 1.0
+    off = ExperienceModel(ScriptedClient([contradicted[0]]), None, SimulatorConfig(retrieval=False, reward_check=False),
                           tokenizer)
-    assert (await off.step(TASK, [], START, "put apple in fridge", "e")).reward == 1.0
+    assert (await off.step(TASK, [], todo, "put apple in fridge", "e")).reward == 1.0
 
 
 @pytest.mark.slow
