@@ -17,7 +17,8 @@ ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
 
 Departure from the paper: with `cfg.reward_check`, a reward of 1 that the reply's own
 reasoning contradicts (its to-do check marks an item of the state's To do line "(not yet)" or
-leaves one out, simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state and done stay as Mexp wrote them.
+leaves one out, simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state
+and done stay as Mexp wrote them.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ class ExperienceModel:
         self.tokenizer = tokenizer
         self.attempts = 0
         self.parse_failures = 0
-        self.contradicted = 0  # rewards set to 0 because the reply's own reasoning contradicted them
 
     async def retrieve(self, state: str, action: str, episode_id: str) -> list[Transition]:
         if not self.cfg.retrieval or self.buffer is None or self.cfg.top_k <= 0:
@@ -81,9 +81,8 @@ class ExperienceModel:
         head = prompts.prefill(self.cfg.reasoning)
         out = await self._sample(prompt, head, parse_mexp_output, episode_id)
         out.next_state = prompts.join_goal(prompts.split_goal(state)[0], out.next_state)
-        if self.cfg.reward_check and contradicted_reward(out, state):  # its own check leaves an item to do: no reward
+        if self.cfg.reward_check and contradicted_reward(out, state):  # its own check leaves an item to do
             out.reward, out.contradicted = 0.0, True
-            self.contradicted += 1
             metrics.SIMULATOR_CONTRADICTED_REWARDS.inc()
         metrics.SIMULATOR_STEPS.inc()
         return out

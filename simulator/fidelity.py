@@ -146,7 +146,8 @@ async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16) 
                 return {**rec, "parsed": False, "reason": exc.reasons[-1], "reward": 0.0, "done": False,
                         "state": "", "item_recall": 0.0, "item_tv": 1.0, "token_f1": 0.0}
         return {**rec, "parsed": True, "reward": out.reward, "done": out.done, "state": out.next_state,
-                "reasoning": out.reasoning, "contradicted": out.contradicted, "item_recall": item_recall(out.next_state, ex.truth.next_state),
+                "reasoning": out.reasoning, "contradicted": out.contradicted,
+                "item_recall": item_recall(out.next_state, ex.truth.next_state),
                 "item_tv": item_tv_distance(out.next_state, ex.truth.next_state),
                 "token_f1": token_f1(out.next_state, ex.truth.next_state)}
 

@@ -118,7 +118,8 @@ async def test_a_reward_its_own_check_contradicts_is_set_to_zero(tokenizer):
 
     def reply(check: str, reasoning: bool = True) -> str:
         think = f"put apple in fridge: now apple in fridge; to do: {check}</think>" if reasoning else ""
-        return think + "<state>\nRoom: Kitchen.\nTo do: nothing\nActions:\n[1] close fridge\n</state><reward>1</reward><done>true"
+        return (think + "<state>\nRoom: Kitchen.\nTo do: nothing\nActions:\n[1] close fridge\n</state>"
+                "<reward>1</reward><done>true")
 
     contradicted = [reply("apple in fridge (done), fridge closed (not yet)"),  # an item still to do
                     reply("apple in fridge (done)")]  # an item left out
@@ -132,7 +133,7 @@ async def test_a_reward_its_own_check_contradicts_is_set_to_zero(tokenizer):
         assert "To do: nothing" in out.next_state
     for _ in kept:
         assert (await mexp.step(TASK, [], todo, "put apple in fridge", "e")).reward == 1.0
-    assert mexp.contradicted == 2 and _count(metrics.SIMULATOR_CONTRADICTED_REWARDS) == before + 2
+    assert _count(metrics.SIMULATOR_CONTRADICTED_REWARDS) == before + 2
     # no To do line in the state: any "(not yet)" contradicts; no reasoning (w/o reasoning): nothing to check
     no_line = ExperienceModel(ScriptedClient([contradicted[0], kept[0]]), None, SimulatorConfig(retrieval=False),
                               tokenizer)
