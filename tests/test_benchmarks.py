@@ -8,6 +8,7 @@ learner, soak, retrieval, curriculum) are run by hand with the smoke sizes their
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,50 @@ def test_rl_throughput_runs_and_prints_each_engines_counters(tiny_run, tiny_dir)
     assert int(mexp[2]) > 0 and int(mexp[4]) > 0, engines["mexp"]  # requests served, tokens generated
     assert "mean forward batch" in engines["mexp"] and "load(1m) at end" in out
     assert any(line.startswith("  set aside by the learner: ") for line in out.splitlines()), out
+
+
+def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games(tmp_path):
+    """Three synthetic trajectories of one real game in a stopped run's appendonly Redis: the expert's
+    path with the game's rewards, the same path with a reward the game does not give (and a withheld
+    win), and an action the real game does not offer: precision 1/2, recall 1/2, one divergence."""
+    import asyncio
+
+    import redis
+
+    from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
+    from infra.redis_server import EmbeddedRedis
+    from infra.schema import EnvKind, Step, Trajectory, encode
+    from infra.streams import DATA_FIELD, trajectories_stream
+
+    task = make_textworld_tasks(tmp_path / "data", 1, 0, ["custom"], seed=0).train[0]
+
+    async def expert() -> list[Step]:
+        env, steps = TextWorldEnv(max_steps=20), []
+        state, info = await env.reset(task)
+        while True:
+            res = await env.step(info["expert_action"])
+            steps.append(Step(state=state, action=info["expert_action"], reward=res.reward, done=res.done,
+                              next_state=res.state))
+            state, info = res.state, res.info
+            if res.done:
+                await env.close()
+                return steps
+
+    real = asyncio.run(expert())
+    assert real[-1].reward == 1.0 and len(real) >= 2
+    false_win = [Step(**{**s.__dict__, "reward": 1.0 if i == 0 else 0.0}) for i, s in enumerate(real)]
+    false_win[-1].next_state = "To do: nothing\nActions:\n[1] look"  # a won state whose reward was withheld
+    off_path = [Step(state=real[0].state, action="dance", reward=1.0, done=True, next_state=real[0].next_state)]
+    run = tmp_path / "runs" / "exp" / "dg"
+    with EmbeddedRedis(data_dir=run / "redis", appendonly=True, password_file=run / "redis.password") as server:
+        client = redis.Redis.from_url(server.url)
+        for steps in (real, false_win, off_path):
+            traj = Trajectory(task.task_id, "g", steps=steps, env_kind=EnvKind.SYNTHETIC, task=task)
+            client.xadd(trajectories_stream("dreamgym:dg"), {DATA_FIELD: encode(traj)})
+        password = server.password
+    (run / "redis.password").write_text(password)  # what `dreamgym train` leaves behind
+    out = json.loads(run_benchmark("onpolicy_fidelity.py", str(run), timeout=300).splitlines()[-1])
+    assert out["trajectories"] == out["seed_trajectories"] == 3 and out["diverged"] == 1
+    assert out["steps_compared"] == 2 * len(real) and out["real_rewards"] == 2
+    assert out["synthetic_rewards"] == 2 and out["both"] == 1 and out["precision"] == 0.5 and out["recall"] == 0.5
+    assert out["won_state_reward_0"] == 1 and out["won_state_reward_0_real_wins"] == 1
