@@ -37,17 +37,18 @@ from infra.streams import DATA_FIELD, trajectories_stream
 
 def read_trajectories(run_dir: Path, prefix: str) -> list[Trajectory]:
     """The run's trajectories still in its stream: from the live job's Redis, else its reopened AOF."""
-    job = read_job_record(run_dir.parent)
+    job = read_job_record(run_dir.parent, with_password=False)
     pidfile = run_dir / "redis" / "redis.pid"
     live = job.get("run_dir") and Path(job["run_dir"]).resolve() == run_dir.resolve() and pidfile.exists() \
         and Path(f"/proc/{pidfile.read_text().strip()}").exists()
     if live:
-        entries = redis.Redis.from_url(job["redis_url"]).xrange(trajectories_stream(prefix))
-    else:
-        password = (run_dir / "redis.password").read_text().strip()
+        entries = redis.Redis.from_url(read_job_record(run_dir.parent)["redis_url"]).xrange(trajectories_stream(prefix))
+    else:  # a finished run removed its password file; the server's own config still holds it
+        conf = (run_dir / "redis" / "redis.conf").read_text().split()
+        password = conf[conf.index("requirepass") + 1] if "requirepass" in conf else ""
         with tempfile.TemporaryDirectory() as tmp, \
                 EmbeddedRedis(data_dir=run_dir / "redis", appendonly=True, password=password,
-                              password_file=Path(tmp) / "password") as server:  # the run's own file stays
+                              password_file=Path(tmp) / "password") as server:
             entries = redis.Redis.from_url(server.url).xrange(trajectories_stream(prefix))
     return [decode_as(fields[DATA_FIELD], Trajectory) for _, fields in entries]
 
