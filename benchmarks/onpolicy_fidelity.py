@@ -42,7 +42,8 @@ def read_trajectories(run_dir: Path, prefix: str) -> list[Trajectory]:
     live = job.get("run_dir") and Path(job["run_dir"]).resolve() == run_dir.resolve() and pidfile.exists() \
         and Path(f"/proc/{pidfile.read_text().strip()}").exists()
     if live:
-        entries = redis.Redis.from_url(read_job_record(run_dir.parent)["redis_url"]).xrange(trajectories_stream(prefix))
+        url = read_job_record(run_dir.parent)["redis_url"]  # with the password from the job's file
+        entries = redis.Redis.from_url(url).xrange(trajectories_stream(prefix))
     else:  # a finished run removed its password file; the server's own config still holds it
         conf = (run_dir / "redis" / "redis.conf").read_text().split()
         password = conf[conf.index("requirepass") + 1] if "requirepass" in conf else ""
@@ -81,7 +82,8 @@ async def compare(trajs: list[Trajectory]) -> dict:
             "synthetic_rewards": len(said), "both": hits,
             "recall": round(hits / real, 3) if real else None,
             "precision": round(hits / len(said), 3) if said else None,
-            "won_state_reward_0": len(withheld), "won_state_reward_0_real_wins": sum(r["real"] >= 0.5 for r in withheld)}
+            "won_state_reward_0": len(withheld),
+            "won_state_reward_0_real_wins": sum(r["real"] >= 0.5 for r in withheld)}
 
 
 def main() -> None:

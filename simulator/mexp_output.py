@@ -24,8 +24,9 @@ label): "not_text", "structure", "reward", "done", "state".
 
 `contradicted_reward(out, state)` reads a parsed reply against itself: a reward of 1
 whose own reasoning does not check off every item of the state's To do line (the
-env-facts rationale's check, actors/envs/textworld_env.py `facts_rationale`). The experience model applies it
-(`simulator.reward_check`); this module only says whether the reply contradicts itself.
+env-facts rationale's check, actors/envs/textworld_env.py `facts_rationale`). The experience
+model applies it (`simulator.reward_check`); this module only says whether the reply
+contradicts itself.
 """
 
 from __future__ import annotations
