@@ -256,5 +256,5 @@ def test_experiment_files_are_validated_before_anything_runs(tmp_path):
     bad.write_text(yaml.safe_dump({"compare_to": "zzz", "regimes": {"a": {}}}))
     with pytest.raises(ConfigError, match="compare_to"):
         load_experiment(bad)
-    for shipped in Path("configs/experiments").glob("*.yaml"):
-        assert load_experiment(shipped).regimes  # every shipped experiment loads
+    for shipped in [*Path("configs/experiments").glob("*.yaml"), *Path("benchmarks/gpu").glob("*.yaml")]:
+        assert load_experiment(shipped).regimes  # every shipped experiment loads (the GPU lease's too)
