@@ -164,6 +164,7 @@ class EngineConfig:
     weights_root: str = _f("", "Directory /update_weights_from_disk may load from (and below); empty: infra.run_dir, infra.weights_dir and the served model's directory.")
     prefix_cache_mb: float = _f(256.0, "Embedded engine: MB of prompt-prefix KV kept between requests (radix tree, LRU); 0 = off.", NON_NEGATIVE)
     threads: int = _f(1, "Embedded CPU engine: torch intra-op threads of its process (the driver's, for the engines `dreamgym train` embeds); 0 = all its cores. 1: with 2 per process, engines contending for 2 cores fell to a tenth of their speed (benchmarks/engine_throughput.py --sections threads).", NON_NEGATIVE)
+    speculative_tokens: int = _f(0, "Embedded engine: prompt-lookup draft tokens verified per greedy sequence and decode step (infra/engine/speculation.py); the output is unchanged, the steps fewer. 0 = off (benchmarks/engine_throughput.py --sections speculative).", NON_NEGATIVE)
     max_body_mb: float = _f(4.0, "Embedded engine: largest request body in MB (413 beyond).", POSITIVE)
     max_prompts_per_request: int = _f(256, "Embedded engine: most prompts in one /generate request (400 beyond).", POSITIVE)
     max_queue: int = _f(1024, "Embedded engine: most requests waiting for a batch slot (429 with Retry-After beyond).", POSITIVE)

@@ -78,6 +78,8 @@ class EngineServerMetrics:
         self.rejected = Counter("engine_rejected_requests_total", "Requests the embedded engine refused before queueing them.", ["reason"], registry=r)
         self.server_seconds = Histogram("engine_server_request_seconds", "Time from admission to reply inside the embedded engine.", buckets=_LATENCY, registry=r)
         self.server_tokens = Counter("engine_server_generated_tokens_total", "Tokens the embedded engine generated.", registry=r)
+        self.draft_tokens = Counter("engine_speculative_draft_tokens_total", "Prompt-lookup draft tokens the embedded engine verified (engines.speculative_tokens).", registry=r)
+        self.accepted_tokens = Counter("engine_speculative_accepted_tokens_total", "Draft tokens the model's greedy choice agreed with (each saves a decode step).", registry=r)
         for reason in ("unauthorized", "invalid", "queue_full", "body_too_large", "weights_path"):
             self.rejected.labels(reason=reason)
         with self._lock:

@@ -17,6 +17,12 @@ cache. Requests in one admission round that share a long prefix not cached yet a
 staggered by one step, so the first one's prefill fills the cache for the others
 (SGLang's in-batch prefix caching does the same).
 
+Speculation (`speculative_tokens` > 0): a step feeds each greedy row its next token and up
+to k prompt-lookup drafts (infra/engine/speculation.py) in one forward of k + 1 columns; a row
+keeps the drafts its greedy choices agree with, and the cells of the rest are masked off, so a
+row's tokens may sit in non-adjacent columns (`SlotCache.live_columns` finds them for the prefix
+cache). Sampled rows ride along with no drafts. Outputs are the greedy outputs.
+
 Isolation: a request that fails alone (its sampling, its prefill) fails alone: the
 others in the batch go on. Only a failure of the batched decode forward fails every
 running request. The queue is bounded (`max_queue`): beyond it `submit` raises
@@ -56,6 +62,7 @@ from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFul
                                   SamplingParams)
 from infra.engine.sampling import sample_tokens
 from infra.engine.scorer import Scorer, batch_budget
+from infra.engine.speculation import NgramIndex, accepted
 from infra.metrics import EngineServerMetrics
 
 __all__ = ["Batcher", "EngineStopped", "GenOutput", "GenRequest", "QueueFull", "RequestError", "RequestFailed",
@@ -73,8 +80,11 @@ class Batcher:
 
     def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0,
                  max_prefill_tokens: int = 4096, prefix_cache_mb: float = 0.0, max_queue: int = 1024,
-                 metrics: EngineServerMetrics | None = None, score_batch_tokens: int = -1):
+                 metrics: EngineServerMetrics | None = None, score_batch_tokens: int = -1,
+                 speculative_tokens: int = 0):
         self.model = model
+        # Prompt-lookup drafts verified per greedy row and step (infra/engine/speculation.py); 0 = off.
+        self.speculative_tokens = speculative_tokens
         # This engine's own registry: an engine exports its queue, never another's (infra/metrics.py).
         self.metrics = metrics if metrics is not None else EngineServerMetrics()
         self.metrics.weight_version.set(weight_version)
@@ -325,6 +335,10 @@ class Batcher:
         self._keep(list(range(n)) + keep)
 
     def _decode_step(self) -> None:
+        drafts = self._drafts() if self.speculative_tokens else None
+        if drafts is not None and any(drafts):
+            self._speculative_step(drafts)
+            return
         slots = self._slots
         n = slots.n
         slots.ensure_free_column()
@@ -343,12 +357,93 @@ class Batcher:
         self._keep(keep)
 
     def _remember(self, row: int, seq: list[int], end: int) -> None:
-        """Offer the KV of `seq`, held by `row` in the columns just before `end`, to the prefix cache."""
+        """Offer the KV of `seq`, held by `row` in its first live columns before `end`, to the prefix cache."""
         if not self.prefix_cache.enabled:
             return
-        c0 = end - len(seq)
-        self.prefix_cache.insert(seq, lambda a, b: self._slots.take(row, c0 + a, c0 + b))
+        cols = self._slots.live_columns(row, end)[:len(seq)]
+        self.prefix_cache.insert(seq, lambda a, b: self._slots.take(row, cols[a:b]))
         self.metrics.prefix_cache_bytes.set(self.prefix_cache.bytes)
+
+    def _drafts(self) -> list[list[int]]:
+        """Each running row's prompt-lookup drafts: none for a sampled (non-greedy) row or one about to end."""
+        out: list[list[int]] = []
+        for req in self._running:
+            p = req.params
+            room = p.max_new_tokens - len(req.output_ids) - 1
+            if (p.temperature != 0.0 and p.top_k != 1) or room <= 0:
+                out.append([])
+                continue
+            if req.ngrams is None:
+                req.ngrams = NgramIndex(req.input_ids)
+            req.ngrams.extend(req.output_ids[len(req.ngrams) - len(req.input_ids):])
+            out.append(req.ngrams.propose(min(self.speculative_tokens, room)))
+        return out
+
+    def _speculative_step(self, drafts: list[list[int]]) -> None:
+        """One forward over each row's next token and its drafts; keep the drafts the model agrees with.
+
+        Every row writes k + 1 columns; a row that accepts j drafts keeps j + 1 of them and masks
+        the rest off (holes that attention skips), and takes the model's token after the last
+        accepted draft as its next token. Greedy rows therefore emit exactly their greedy output."""
+        slots, k = self._slots, self.speculative_tokens
+        n = slots.n
+        slots.ensure_free_column(k + 1)
+        end, lo = slots.end, slots.start
+        ids = torch.full((n, k + 1), self.pad_id, dtype=torch.long)
+        for i, (req, d) in enumerate(zip(self._running, drafts)):
+            ids[i, 0] = req.output_ids[-1]
+            ids[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+        slots.mask[:n, end:end + k + 1] = True
+        cols = torch.arange(end + k + 1 - lo, device=self.device)
+        qcol = torch.arange(k + 1, device=self.device) + (end - lo)
+        mask4d = (slots.mask[:n, lo:end + k + 1][:, None, :] & (cols[None, :] <= qcol[:, None])[None])[:, None]
+        positions = slots.pos[:n, None] + torch.arange(k + 1, device=self.device)
+        slots.window(0, n, end, end + k + 1, lo)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask4d, position_ids=positions,
+                         past_key_values=slots, use_cache=True, logits_to_keep=k + 1)
+        logits = out.logits.float()  # [n, k + 1, vocab]
+        greedy = logits.argmax(dim=-1).tolist()
+        acc = [accepted(g, d) for g, d in zip(greedy, drafts)]
+        for i, j in enumerate(acc):
+            slots.mask[i, end + 1 + j:end + k + 1] = False  # rejected drafts' KV
+        slots.pos[:n] += torch.tensor(acc, device=self.device) + 1
+        slots.end = end + k + 1
+        self.steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, n)
+        self.metrics.batch_size.observe(n)
+        self.metrics.draft_tokens.inc(sum(len(d) for d in drafts))
+        self.metrics.accepted_tokens.inc(sum(acc))
+        rows = torch.arange(n, device=self.device)
+        at = torch.tensor(acc, device=self.device)
+        nxt = self._sample(self._running, logits[rows, at])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        toks = [d[:j] + [t] if t is not None else [] for d, j, t in zip(drafts, acc, nxt)]
+        at_row = [i for i, ts in enumerate(toks) for _ in ts]
+        at_pos = [p for ts in toks for p in range(len(ts))]
+        flat = logprobs[at_row, at_pos, [t for ts in toks for t in ts]].tolist()  # one gather for every row
+        keep, offset = [], 0
+        for i, req in enumerate(self._running):
+            got, offset = flat[offset:offset + len(toks[i])], offset + len(toks[i])
+            if nxt[i] is None:
+                continue  # failed alone (its future holds the error)
+            done = False
+            for t, (tok, lp) in enumerate(zip(toks[i], got)):
+                req.output_ids.append(tok)
+                req.logprobs.append(lp)
+                if req.token_ids_logprob:
+                    req.tid_logprobs.append(dict(zip(req.token_ids_logprob, logprobs[i, t, req.token_ids_logprob].tolist())))
+                if self._check_finished(req, tok):
+                    done = True
+                    break
+            if done:
+                self._remember(i, req.input_ids + req.output_ids[:-1], slots.end)
+                self._complete(req)
+            elif req.cancelled:
+                req.future.cancel()
+            else:
+                keep.append(i)
+        self._next_tokens()
+        self._keep(keep)
 
     def _next_tokens(self) -> None:
         self._next = torch.tensor([r.output_ids[-1] if r.output_ids else self.pad_id for r in self._running],

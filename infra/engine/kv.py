@@ -86,13 +86,13 @@ class SlotCache:
         if shift or need > self.cols:
             self._relayout(max(need, 2 * self.cols if need > self.cols else self.cols), shift)
 
-    def ensure_free_column(self) -> None:
-        """Room for one more column at `end` (the next decode step)."""
-        if self.end >= self.cols:
-            if self.start >= self.cols // 2:
+    def ensure_free_column(self, count: int = 1) -> None:
+        """Room for `count` more columns at `end` (the next decode step: 1, or 1 + drafts)."""
+        if self.end + count > self.cols:
+            if self.start >= self.cols // 2 and self.end - self.start + count <= self.cols:
                 self._relayout(self.cols, -self.start)  # compact: most of the buffer is dead columns
             else:
-                self._relayout(2 * self.cols, 0)
+                self._relayout(max(2 * self.cols, self.end - self.start + count), 0)
 
     def _relayout(self, cols: int, shift: int) -> None:
         """A new buffer of `cols` columns with the live content moved by `shift` columns."""
@@ -115,9 +115,13 @@ class SlotCache:
             self.kv[:, :, row, :, col:col + k].copy_(piece[..., :k, :])
             col, count = col + k, count - k
 
-    def take(self, row: int, c0: int, c1: int) -> torch.Tensor:
-        """A copy of `row`'s KV in columns c0:c1, `[layers, 2, kv_heads, c1 - c0, head_dim]`."""
-        return self.kv[:, :, row, :, c0:c1].clone()
+    def live_columns(self, row: int, end: int) -> torch.Tensor:
+        """The columns before `end` that hold `row`'s tokens, in order (rejected drafts leave holes)."""
+        return self.mask[row, :end].nonzero()[:, 0]
+
+    def take(self, row: int, columns: torch.Tensor) -> torch.Tensor:
+        """A copy of `row`'s KV in `columns`, `[layers, 2, kv_heads, len(columns), head_dim]`."""
+        return self.kv[:, :, row].index_select(3, columns)
 
     def keep_rows(self, keep: list[int]) -> None:
         """Keep only the live rows `keep` (ascending), moved down to rows 0..len(keep)-1."""

@@ -136,6 +136,7 @@ class GenOutput:
     prompt_tokens: int
     weight_version: int
     cached_tokens: int = 0
+    ngrams: Any = None  # the prompt-lookup draft index (infra/engine/speculation.py), built at the first draft
 
 
 @dataclass
@@ -153,6 +154,7 @@ class GenRequest:
     finish: dict | None = None
     text: str = ""
     cached_tokens: int = 0
+    ngrams: Any = None  # the prompt-lookup draft index (infra/engine/speculation.py), built at the first draft
 
     def cancel(self) -> None:
         """Drop the sequence at the next step (the client went away)."""
