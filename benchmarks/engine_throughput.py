@@ -29,7 +29,13 @@ measured within this run, never across runs):
    engine's path before the scoring queue) against the engine's batched scoring queue
    (infra/engine/scorer.py), with the largest log-prob gap between the two;
 9. with `--compare-url`, any OpenAI-compatible `/v1/completions` server (llama.cpp's)
-   at the same concurrency, prompts and token counts.
+   at the same concurrency, prompts and token counts;
+10. speculative decoding (`speculative`): Mexp's own workload, real TextWorld steps from
+   `--data-dir`'s offline trajectories rendered as Mexp prompts (without retrieved examples),
+   greedy, up to 192 new tokens and stopped at `</done>` as Mexp's requests are, served by
+   `--mexp` (a Mexp SFT checkpoint; the base model copies far less), with
+   `engines.speculative_tokens` 0 against `--speculative` at each concurrency: generated
+   tokens/s, the share of drafts accepted, and whether every reply is the same.
 
     python benchmarks/engine_throughput.py [--tokens 64] [--compare-url http://127.0.0.1:8000]
 
@@ -67,7 +73,7 @@ PRESETS = {
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=49152, max_position_embeddings=4096),
 }
-SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "scoring", "compare")
+SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "scoring", "compare", "speculative")
 
 TOPICS = ["a lighthouse", "the moon", "a robot cook", "an old map", "a quiet library", "a mountain village",
           "a lost key", "the ocean", "a clockmaker", "a desert train", "a winter garden", "a paper boat",
@@ -194,6 +200,39 @@ async def grpo_rate(url: str, tok, tasks: int, group: int, tokens: int, concurre
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         dt = time.perf_counter() - t0
     return done / dt, dt
+
+
+def mexp_prompts(tok, data_dir: str, n: int) -> list[str]:
+    """`n` real Mexp prompts: offline TextWorld steps as Mexp sees them (no retrieved examples), shuffled."""
+    import random
+
+    from actors.dataset import read_trajectories, trajectories_path
+    from simulator import prompts as mp
+    from simulator.mexp_data import task_of
+
+    texts = [mp.render(tok, mp.step_messages(task_of(t), t.steps[:i], [], s.state, s.action), mp.prefill(True))
+             for t in read_trajectories(trajectories_path(data_dir, "textworld")) for i, s in enumerate(t.steps)]
+    random.Random(0).shuffle(texts)
+    return texts[:n]
+
+
+async def mexp_rate(url: str, texts: list[str], concurrency: int) -> tuple[float, list[list[int]]]:
+    """(generated tokens/s, each reply's tokens in order) of Mexp-shaped requests, `concurrency` at once."""
+    from infra.engine.client import EngineClient
+
+    sp = {"max_new_tokens": 192, "temperature": 0.0, "stop": ["</done>"]}
+    replies: list[list[int]] = [[] for _ in texts]
+    queue = list(range(len(texts)))
+
+    async def worker(client) -> None:
+        while queue:
+            i = queue.pop(0)
+            replies[i] = (await client.generate(texts[i], sampling_params=sp)).output_ids
+
+    async with EngineClient([url], role="bench", timeout_s=3600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        return sum(map(len, replies)) / (time.perf_counter() - t0), replies
 
 
 async def openai_rate(url: str, texts: list[str], tokens: int, concurrency: int) -> float:
@@ -425,6 +464,32 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
                   f"{alone:7.1f} requests/s, batched queue {batched:7.1f} requests/s; largest log-prob gap "
                   f"{gap:.1e}  {la()}")
             ratios.append(f"scoring: batched / alone {batched / alone:.2f}x")
+        if "speculative" in sections:
+            from infra.engine.models import load_model
+
+            mexp = load_model(args.mexp, "float32" if cpu else "bfloat16", args.device) if args.mexp else (model, tok)
+            for c in levels:
+                texts_c = mexp_prompts(tok, args.data_dir, max(c * args.rounds, args.sequential_requests))
+                got = {}
+                for k in (0, args.speculative):
+                    handle = await start_embedded_engine(loaded=mexp, max_batch_size=top, engine_cfg=EngineConfig(
+                        prefix_cache_mb=0, threads=0, speculative_tokens=k))
+                    try:
+                        await mexp_rate(handle.url, texts_c[:1], 1)  # warm-up
+                        m = handle.batcher.metrics.registry.get_sample_value
+                        d0, a0 = m("engine_speculative_draft_tokens_total"), m("engine_speculative_accepted_tokens_total")
+                        got[k] = await mexp_rate(handle.url, texts_c, c)
+                        drafted = m("engine_speculative_draft_tokens_total") - d0
+                        taken = m("engine_speculative_accepted_tokens_total") - a0
+                    finally:
+                        await handle.stop()
+                    extra = f", {taken:.0f} of {drafted:.0f} drafts accepted" if k else ""
+                    print(f"Mexp workload ({len(texts_c)} replies, {c:2d} concurrent), speculative_tokens={k}: "
+                          f"{got[k][0]:7.1f} generated tokens/s{extra}  {la()}")
+                same = got[0][1] == got[args.speculative][1]
+                print(f"  ratio at {c} concurrent, speculative {args.speculative} / off: {got[args.speculative][0] / got[0][0]:5.2f}x; "
+                      f"replies identical: {same}")
+                ratios.append(f"speculative {args.speculative} / off @{c} {got[args.speculative][0] / got[0][0]:.2f}x")
         if "compare" in sections and args.compare_url:
             rate = await openai_rate(args.compare_url, texts[: top * args.rounds], args.tokens, top)
             ours = rows.get(f"engine@{top}") or await engine_at(top)
@@ -492,6 +557,9 @@ if __name__ == "__main__":
     p.add_argument("--contenders", type=int, default=0, help="background matmul processes (2 threads each)")
     p.add_argument("--dtypes", default="float32,bfloat16,int8", help="weight formats to compare")
     p.add_argument("--compare-url", default="", help="an OpenAI-compatible server to compare with (llama.cpp's)")
+    p.add_argument("--mexp", default="", help="speculative: the Mexp checkpoint to serve (default: --model)")
+    p.add_argument("--data-dir", default="data/exp-textworld", help="speculative: where the offline TextWorld trajectories are")
+    p.add_argument("--speculative", type=int, default=4, help="speculative: draft tokens per step to compare with off")
     p.add_argument("--device", default="cpu", help="torch device for the model and the engine (cpu, cuda, cuda:1)")
     p.add_argument("--random-init", default="", metavar="CONFIG_JSON_OR_PRESET",
                    help=f"benchmark a random-init Llama instead of --model: a preset ({', '.join(PRESETS)}), "

@@ -55,6 +55,18 @@ def test_rl_throughput_runs_and_prints_each_engines_counters(tiny_run, tiny_dir)
     assert any(line.startswith("  set aside by the learner: ") for line in out.splitlines()), out
 
 
+def test_engine_throughput_speculative_section_compares_drafts_on_and_off(tiny_run, tiny_dir, tw_data_dir):
+    """The speculative section on real offline TextWorld steps rendered as Mexp prompts (tiny model)."""
+    from infra.config import load_config
+    from infra.run.artifacts import prepare_data
+
+    prepare_data(load_config(None, tiny_run))  # the offline trajectories its prompts come from
+    out = run_benchmark("engine_throughput.py", "--model", str(tiny_dir), "--data-dir", str(tw_data_dir),
+                        "--sections", "speculative", "--concurrency", "1,2", timeout=300)
+    assert out.count("replies identical: True") == 2, out
+    assert "speculative 4 / off @2" in out.splitlines()[-1] and "load average" in out
+
+
 def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games(tmp_path):
     """Three synthetic trajectories of one real game in a stopped run's appendonly Redis: the expert's
     path with the game's rewards, the same path with a reward the game does not give (and a withheld

@@ -7,7 +7,8 @@
 #      Mexp SFT checkpoint of MEXP_REGIME (its retrieval reads the embeddings that travel with the
 #      data; a text missing from them would need MiniLM, and call 3 then builds it instead).
 #   3: MiniLM upcast to fp32; the RL regimes, then the results.
-# PY picks the interpreter (python3 there); EXP the experiment file; ONLY the regimes of call 3.
+# PY picks the interpreter (python3 there); EXP the experiment file; ONLY the regimes of call 3;
+# BENCH_SPECULATIVE=SECONDS adds engine_throughput's speculative section on the lease's Mexp to call 3.
 set -uo pipefail
 stage=$1
 PY=${PY:-python3}
@@ -69,6 +70,11 @@ PY
     keep
   done
   timeout 20 $PY -m infra.cli experiment "$EXP" --report 2>&1 | tail -12
+  if [ -n "${BENCH_SPECULATIVE:-}" ]; then  # the Mexp just trained, its own workload, drafts on vs off
+    mexp=$(ls -d /tmp/dg/data/mexp/textworld-* | head -1)
+    PYTHONPATH=$site:. timeout ${BENCH_SPECULATIVE} $PY benchmarks/engine_throughput.py --device cuda --mexp "$mexp" --data-dir /tmp/dg/data \
+        --sections speculative --concurrency 1,16,64 2>&1 | tee "$OUT/speculative.log" | grep -v "^\s*$" | tail -12
+  fi
   keep; log "done"
   ;;
 esac
