@@ -8,7 +8,8 @@
 #      data; a text missing from them would need MiniLM, and call 3 then builds it instead).
 #   3: MiniLM upcast to fp32; the RL regimes, then the results.
 # PY picks the interpreter (python3 there); EXP the experiment file; ONLY the regimes of call 3;
-# BENCH_SPECULATIVE=SECONDS adds engine_throughput's speculative section on the lease's Mexp to call 3.
+# BENCH_SPECULATIVE=SECONDS adds engine_throughput's speculative section on the lease's Mexp to call 3,
+# FIDELITY=SECONDS a 96-step `dreamgym fidelity` of that Mexp with and without the reward check.
 set -uo pipefail
 stage=$1
 PY=${PY:-python3}
@@ -70,6 +71,12 @@ PY
     keep
   done
   timeout 20 $PY -m infra.cli experiment "$EXP" --report 2>&1 | tail -12
+  if [ -n "${FIDELITY:-}" ]; then  # the lease's Mexp on 96 held-out real steps, with and without the reward check
+    mexp=$(ls -d /tmp/dg/data/mexp/textworld-* | head -1)
+    timeout ${FIDELITY} $PY -m infra.cli fidelity configs/experiments/base/textworld_cpu.yaml infra.data_dir=/tmp/dg/data \
+        data.episodes_per_task=2 engines.device=cuda engines.dtype=bfloat16 --checkpoints "$mexp" \
+        --variants full,no-reward-check --max-steps 96 --out "$OUT/fidelity.json" 2>&1 | grep -v "^\s*$" | tail -12
+  fi
   if [ -n "${BENCH_SPECULATIVE:-}" ]; then  # the Mexp just trained, its own workload, drafts on vs off
     mexp=$(ls -d /tmp/dg/data/mexp/textworld-* | head -1)
     PYTHONPATH=$site:. timeout ${BENCH_SPECULATIVE} $PY benchmarks/engine_throughput.py --device cuda --mexp "$mexp" --data-dir /tmp/dg/data \
