@@ -136,7 +136,6 @@ class GenOutput:
     prompt_tokens: int
     weight_version: int
     cached_tokens: int = 0
-    ngrams: Any = None  # the prompt-lookup draft index (infra/engine/speculation.py), built at the first draft
 
 
 @dataclass
