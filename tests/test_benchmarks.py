@@ -116,3 +116,26 @@ def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games
     assert out["steps_compared"] == 2 * len(real) and out["real_rewards"] == 2
     assert out["synthetic_rewards"] == 2 and out["both"] == 1 and out["precision"] == 0.5 and out["recall"] == 0.5
     assert out["won_state_reward_0"] == 1 and out["won_state_reward_0_real_wins"] == 1
+
+
+@pytest.mark.model
+def test_gpu_lease_prepare_makes_the_data_and_embeds_every_offline_transition(tmp_path):
+    """benchmarks/gpu/prepare.py, which pack.sh runs: the experiment's games and offline trajectories
+    at its data_dir, and a MiniLM embedding cached for each offline transition (so a GPU lease seeds
+    its replay buffer and trains Mexp before MiniLM's weights arrive)."""
+    import sqlite3
+
+    import yaml
+
+    data = tmp_path / "data"
+    exp = tmp_path / "lease.yaml"
+    exp.write_text(yaml.safe_dump({"name": "lease", "regimes": {"sft": {}}, "overrides": [
+        f"infra.data_dir={data}", "data.textworld_games=2", "data.textworld_heldout=1",
+        "data.textworld_families=[custom]", "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1"]}))
+    assert run_benchmark("gpu/prepare.py", str(exp), "--data-dir").strip() == str(data)
+    out = run_benchmark("gpu/prepare.py", str(exp), timeout=300).strip().splitlines()[-1]
+    steps = int(out.split(" offline trajectories, ")[1].split()[0])
+    assert out.startswith("2 train / 1 held-out tasks, 2 offline trajectories") and steps > 0, out
+    with sqlite3.connect(data / ".cache" / "embeddings.sqlite") as db:
+        tables = [r[0] for r in db.execute("select name from sqlite_master where type='table'")]
+        assert db.execute(f"select count(*) from {tables[0]}").fetchone()[0] == steps
