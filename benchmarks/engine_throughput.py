@@ -468,8 +468,9 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
             from infra.engine.models import load_model
 
             mexp = load_model(args.mexp, "float32" if cpu else "bfloat16", args.device) if args.mexp else (model, tok)
+            workload = mexp_prompts(tok, args.data_dir, max(top * args.rounds, args.sequential_requests))
             for c in levels:
-                texts_c = mexp_prompts(tok, args.data_dir, max(c * args.rounds, args.sequential_requests))
+                texts_c = workload[:max(c * args.rounds, args.sequential_requests)]
                 got = {}
                 for k in (0, args.speculative):
                     handle = await start_embedded_engine(loaded=mexp, max_batch_size=top, engine_cfg=EngineConfig(

