@@ -117,6 +117,9 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
                 phases.append(await rl_phase(phase_cfg, svc, learner, curriculum, history, label, until, console,
                                              probe))
                 if evaluate and i < len(plan) - 1:  # sim-to-real: what the synthetic phase alone reached
+                    if phases[-1]["updates"] == 0 and before is not None:
+                        phases[-1]["heldout_after"] = report.brief(before)  # resumed past it: `before` measured it
+                        continue
                     await learner.publish()
                     phases[-1]["heldout_after"] = report.brief(
                         await heldout_eval(cfg, svc, splits.heldout, f"after {label}", console))
@@ -187,8 +190,11 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
     `probe`: the live fidelity probe, started after every `simulator.fidelity_every` updates."""
     t0, updates0 = time.time(), learner.updates
     real = StepBudget(svc.client, svc.prefix, cfg.actors.real_transitions) if cfg.actors.env_kind == "real" else None
-    if updates0 >= until:  # a resumed run whose checkpoint already holds this phase: start no workers
-        console.print(f"{label}: already at {updates0} of {until} updates (resumed); nothing to roll out")
+    # a resumed run whose checkpoint already holds this phase, or whose real budget it spent: start no workers
+    if updates0 >= until or (real is not None and await real.spent()):
+        done = f"already at {updates0} of {until} updates" if updates0 >= until else \
+            f"its {cfg.actors.real_transitions} real transitions already spent"
+        console.print(f"{label}: {done} (resumed); nothing to roll out")
         # the real transitions it used are on the run's Redis counter, which outlives the killed segment
         return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": 0,
                 "real_transitions": await real.used() if real is not None else 0,
