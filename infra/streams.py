@@ -73,6 +73,11 @@ def key(prefix: str, name: str) -> str:
     return f"{prefix}:{name}"
 
 
+def run_prefix(stream_prefix: str, run: str) -> str:
+    """The prefix of run `run`'s keys (`infra.stream_prefix` and the run's name)."""
+    return key(stream_prefix, run)
+
+
 def tasks_stream(prefix: str) -> str:
     return key(prefix, "tasks")
 

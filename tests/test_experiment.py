@@ -244,6 +244,23 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert "learner.learner: resumed from" in (out / "real_grpo" / "train.log").read_text()
     rows = {r["regime"]: r for r in json.loads((out / "results.json").read_text())["regimes"]}
     assert rows["real_grpo"]["real_transitions"] == 6
+    # a regime that `continues` another starts from its finished run (sim-to-real after dreamgym_grpo):
+    # the run is copied under the new name, its Redis keys renamed, and resumed past the source's updates
+    doc = yaml.safe_load(spec.read_text())
+    doc["regimes"]["real_more"] = {"continues": "real_grpo", "overrides": [*doc["regimes"]["real_grpo"]["overrides"],
+                                                                            "learner.s2r_real_transitions=3"]}
+    spec.write_text(yaml.safe_dump(doc))
+    more = subprocess.run([*cmd, "--only", "real_more"], capture_output=True, text=True, timeout=600)
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    source = json.loads((out / "real_grpo" / "summary.json").read_text())
+    assert f"real_more: continuing real_grpo's finished run ({source['updates']} updates)" in " ".join(more.stdout.split())
+    log = (out / "real_more" / "train.log").read_text()
+    assert "learner.learner: resumed from" in log and "real transitions already spent (resumed)" in " ".join(log.split())
+    summary = json.loads((out / "real_more" / "summary.json").read_text())
+    # the source's exact counters came along under the new name: its 6 real transitions (so its spent budget
+    # ended the resumed phase at once), its pushed trajectories, its updates
+    assert summary["transitions"]["online_real"] == 6 and summary["updates"] == source["updates"]
+    assert summary["trajectories_pushed"] == source["trajectories_pushed"] > 0
 
 
 def test_experiment_files_are_validated_before_anything_runs(tmp_path):
@@ -256,5 +273,54 @@ def test_experiment_files_are_validated_before_anything_runs(tmp_path):
     bad.write_text(yaml.safe_dump({"compare_to": "zzz", "regimes": {"a": {}}}))
     with pytest.raises(ConfigError, match="compare_to"):
         load_experiment(bad)
+    # a regime continues another only when that one's run is its first part: same settings but sim-to-real's
+    bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"continues": "zzz"}}}))
+    with pytest.raises(ConfigError, match="'zzz' is not another regime"):
+        load_experiment(bad)
+    bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"continues": "a", "overrides": ["learner.lr=1e-3"]}}}))
+    with pytest.raises(ConfigError, match="differ in learner.lr"):
+        load_experiment(bad)
+    bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"continues": "a",
+                                                              "overrides": ["learner.s2r_real_transitions=9"]}}}))
+    assert load_experiment(bad).regimes[1].continues == "a"
     for shipped in [*Path("configs/experiments").glob("*.yaml"), *Path("benchmarks/gpu").glob("*.yaml")]:
         assert load_experiment(shipped).regimes  # every shipped experiment loads (the GPU lease's too)
+
+
+def test_a_forked_run_keeps_its_redis_state_under_the_new_name(tmp_path):
+    """infra/run/fork.py on a real appendonly Redis: streams (with their group's pending entries) and
+    counters move to the new prefix, the source's end (summary, log) stays behind, the checkpoint comes."""
+    import redis as sync_redis
+
+    from infra.redis_server import EmbeddedRedis
+    from infra.run.fork import fork_run
+
+    src, dst = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    (src / "checkpoints" / "step_3").mkdir(parents=True)
+    (src / "checkpoints" / "step_3" / "state.pt").write_bytes(b"x")
+    (src / "summary.json").write_text("{}")
+    (src / "train.log").write_text("the source's log")
+    (src / "history.json").write_text("[]")
+    with EmbeddedRedis(data_dir=src / "redis", appendonly=True, password="") as server:
+        c = sync_redis.Redis(port=server.port)
+        c.xadd("dg:a:trajectories", {"b": b"1"})
+        c.xgroup_create("dg:a:trajectories", "learner", id="0")
+        c.xreadgroup("learner", "l1", {"dg:a:trajectories": ">"})  # one pending entry
+        c.set("dg:a:budget:real_steps", 6)
+        c.set("dg:ab:other", 1)  # another run whose name starts the same: not ours
+        c.close()
+    last = fork_run(src, dst, "dg:a", "dg:b")
+    assert last == dst / "checkpoints" / "step_3" and (dst / "history.json").exists()
+    assert not (dst / "summary.json").exists() and not (dst / "train.log").exists()
+    with EmbeddedRedis(data_dir=dst / "redis", appendonly=True, password="") as server:
+        c = sync_redis.Redis(port=server.port)
+        assert sorted(k.decode() for k in c.keys("*")) == ["dg:ab:other", "dg:b:budget:real_steps", "dg:b:trajectories"]
+        assert int(c.get("dg:b:budget:real_steps")) == 6
+        assert c.xpending("dg:b:trajectories", "learner")["pending"] == 1
+        c.close()
+    with EmbeddedRedis(data_dir=src / "redis", appendonly=True, password="") as server:  # the source is untouched
+        c = sync_redis.Redis(port=server.port)
+        assert int(c.get("dg:a:budget:real_steps")) == 6
+        c.close()
+    with pytest.raises(ValueError, match="not empty"):
+        fork_run(src, dst, "dg:a", "dg:b")

@@ -7,6 +7,8 @@
 - scale.py      `dreamgym scale`
 - report.py     the run's time series, plots, summary.json, the progress bar and the final table
 - status.py     `dreamgym status`
+- experiment.py `dreamgym experiment`: the paper's regimes on the same held-out tasks, one table
+- fork.py       a finished run continued under another name (a regime that `continues` another)
 - cluster/      Ray at the edges: the thin actor wrappers and the runtime
 
 The only place in infra/ (with infra/cli.py) that imports actors/, simulator/ and learner/.

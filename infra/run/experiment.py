@@ -9,7 +9,9 @@ under `<run_dir>/<experiment>/<regime>/`, which leaves its summary.json: held-ou
 real success with per-task results, real and synthetic transitions counted exactly,
 the Mexp's fidelity, wall time. Regimes that finished are skipped, and one stopped
 after a learner checkpoint continues from it, so an interrupted experiment resumes
-where it stopped.
+where it stopped. A regime that `continues` another (sim-to-real after DreamGym GRPO)
+starts from that one's finished run (infra/run/fork.py), so a shared first part trains once;
+the file's loading checks that the two differ only in what acts after that run's end.
 
 The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
 the paired difference to the `compare_to` regime with a bootstrap interval over
@@ -43,7 +45,9 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.confidence import compare, wilson_interval
-from infra.config import ConfigError, load_config
+from infra.config import Config, ConfigError, load_config
+from infra.run.fork import fork_run
+from infra.streams import run_prefix
 from learner import checkpoint
 
 
@@ -52,6 +56,7 @@ class Regime:
     name: str
     overrides: list[str] = field(default_factory=list)
     about: str = ""
+    continues: str = ""  # a regime whose finished run this one resumes (infra/run/fork.py)
 
 
 @dataclass
@@ -67,6 +72,10 @@ class Experiment:
     def config_args(self, regime: Regime) -> list[str]:
         """The `dreamgym train` arguments (preset and overrides) of one regime."""
         return [self.base, *self.overrides, *regime.overrides]
+
+    def config(self, regime: Regime) -> Config:
+        """The config one regime's run trains with."""
+        return load_config(self.base or None, [*self.overrides, *regime.overrides])
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -86,11 +95,12 @@ def load_experiment(path: str | Path) -> Experiment:
     regimes = []
     for name, spec in doc["regimes"].items():
         spec = spec or {}
-        if not isinstance(spec, dict) or set(spec) - {"overrides", "about"}:
-            raise ConfigError(f"{p}: regimes.{name}: expected {{overrides: [...], about: '...'}}")
+        if not isinstance(spec, dict) or set(spec) - {"overrides", "about", "continues"}:
+            raise ConfigError(f"{p}: regimes.{name}: expected {{overrides: [...], about: '...', continues: regime}}")
         if not isinstance(spec.get("overrides", []), list):
             raise ConfigError(f"{p}: regimes.{name}.overrides must be a list of section.key=value")
-        regimes.append(Regime(str(name), [str(o) for o in spec.get("overrides", [])], str(spec.get("about", ""))))
+        regimes.append(Regime(str(name), [str(o) for o in spec.get("overrides", [])], str(spec.get("about", "")),
+                              str(spec.get("continues") or "")))
     exp = Experiment(name=str(doc.get("name") or p.stem), base=str(doc.get("base") or ""),
                      overrides=[str(o) for o in doc.get("overrides") or []], regimes=regimes,
                      compare_to=str(doc.get("compare_to") or ""), about=str(doc.get("about") or ""), path=str(p))
@@ -98,10 +108,43 @@ def load_experiment(path: str | Path) -> Experiment:
         raise ConfigError(f"{p}: compare_to: {exp.compare_to!r} is not one of the regimes")
     for r in regimes:
         try:
-            load_config(exp.base or None, [*exp.overrides, *r.overrides])
+            exp.config(r)
         except ConfigError as exc:
             raise ConfigError(f"{p}: regime {r.name}: {exc}") from exc
+    for r in regimes:
+        if r.continues:
+            check_continuation(exp, r)
     return exp
+
+
+# What a continuing regime may set differently from the regime it continues: settings that act only
+# after the source's run has ended (the real phase of sim-to-real).
+AFTER_THE_SOURCE = {"learner": ("s2r_real_transitions", "s2r_max_updates")}
+
+
+def check_continuation(exp: Experiment, regime: Regime) -> None:
+    """`regime.continues` names another regime that does not itself continue one, and whose settings
+    equal this regime's except those in AFTER_THE_SOURCE: only then is its run this regime's first part."""
+    where = f"{exp.path}: regimes.{regime.name}.continues"
+    source = next((r for r in exp.regimes if r.name == regime.continues), None)
+    if source is None or source is regime:
+        raise ConfigError(f"{where}: {regime.continues!r} is not another regime of {exp.name}")
+    if source.continues:
+        raise ConfigError(f"{where}: {source.name} itself continues {source.continues}; continue that one")
+
+    def shape(r: Regime) -> dict:
+        d = exp.config(r).to_dict()
+        for section, names in AFTER_THE_SOURCE.items():
+            for n in names:
+                d[section].pop(n)
+        return d
+
+    mine, theirs = shape(regime), shape(source)
+    differ = sorted(f"{s}.{k}" for s in mine for k in mine[s] if mine[s][k] != theirs.get(s, {}).get(k))
+    if differ:
+        allowed = ", ".join(f"{s}.{n}" for s, ns in AFTER_THE_SOURCE.items() for n in ns)
+        raise ConfigError(f"{where}: {source.name}'s run is not this regime's first part: they differ in "
+                          f"{', '.join(differ)} (a continuing regime may only change {allowed})")
 
 
 def run_dir(exp: Experiment) -> Path:
@@ -122,7 +165,7 @@ def run_regime(exp: Experiment, regime: Regime, console: Console, resume: bool =
     Output goes to <regime>/train.log."""
     out = run_dir(exp) / regime.name
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "infra.cli", "train", *exp.config_args(regime),
+    cmd = [sys.executable, "-m", "infra.cli", "train", *exp.config_args(regime), *continued_overrides(out),
            f"infra.run_dir={run_dir(exp)}", "--name", regime.name, *(["--resume"] if resume else [])]
     console.print(f"[bold]{regime.name}[/]: {regime.about or ''}")
     console.print(f"  {' '.join(cmd[1:])}", markup=False, highlight=False)
@@ -289,6 +332,45 @@ def print_table(res: dict, console: Console) -> None:
     console.print(t)
 
 
+def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[str]) -> dict:
+    """Run one regime to its end. One stopped after a learner checkpoint continues from it; a rerun, or one
+    that died before its first, starts clean (a run dir holds its buffer, weights and Redis). A regime that
+    `continues` another starts from that one's finished run (run first if it has not finished)."""
+    old = run_dir(exp) / regime.name
+    last = checkpoint.latest(old) if old.exists() and regime.name not in rerun else None
+    if last is not None:
+        console.print(f"{regime.name}: resuming from {last}")
+    elif old.exists():
+        old.rename(old.with_name(f"{regime.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if last is None and regime.continues:
+        source = next(r for r in exp.regimes if r.name == regime.continues)
+        if finished(exp, source) is None:
+            console.print(f"{regime.name} continues {source.name}, which has not finished: running it first")
+            start_regime(exp, source, console, rerun=set())
+        last = fork_run(run_dir(exp) / source.name, old, prefix(exp, source), prefix(exp, regime))
+        # The source's phase ends where its run ended, even where a time budget cut it short of its
+        # updates (a source that made none resumes its phase as configured: 0 would mean no RL at all).
+        updates, planned = finished(exp, source)["updates"], exp.config(source).learner.total_updates
+        cut = [f"learner.total_updates={updates}"] if 0 < updates < planned else []
+        (old / CONTINUED).write_text(json.dumps({"source": source.name, "checkpoint": str(last),
+                                                 "overrides": cut}, indent=1))
+        console.print(f"{regime.name}: continuing {source.name}'s finished run ({updates} updates) from {last}")
+    return run_regime(exp, regime, console, resume=last is not None)
+
+
+CONTINUED = "continued.json"  # in a continuing regime's run dir: what it continued and the overrides that keeps
+
+
+def continued_overrides(out: Path) -> list[str]:
+    path = out / CONTINUED
+    return json.loads(path.read_text())["overrides"] if path.exists() else []
+
+
+def prefix(exp: Experiment, regime: Regime) -> str:
+    """The Redis key prefix of a regime's run."""
+    return run_prefix(exp.config(regime).infra.stream_prefix, regime.name)
+
+
 # --- the `dreamgym experiment` command ------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -321,15 +403,7 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"[dim]{r.name}: finished earlier, skipped ({i}/{len(todo)})[/]")
                 continue
             console.rule(f"regime {i}/{len(todo)}: {r.name}")
-            old = run_dir(exp) / r.name
-            # a regime that was stopped after a learner checkpoint continues from it; a rerun, or one that
-            # died before its first, starts clean (a run dir holds its buffer, weights and Redis)
-            last = checkpoint.latest(old) if old.exists() and r.name not in rerun else None
-            if last is not None:
-                console.print(f"{r.name}: resuming from {last}")
-            elif old.exists():
-                old.rename(old.with_name(f"{r.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
-            run_regime(exp, r, console, resume=last is not None)
+            start_regime(exp, r, console, rerun)
     summaries = {r.name: s for r in exp.regimes if (s := finished(exp, r)) is not None}
     res = write_results(exp, summaries, run_anchors(exp, console))
     print_table(res, console)

@@ -53,7 +53,7 @@ from infra.run.cluster.runtime import Placements, driver_node_id, init_ray, kill
 from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, spawn_scheduler
 from infra.run.monitoring import Monitoring
 from infra.run.workers import WorkerPool, autoscaler, local_spawner, make_env_factory
-from infra.streams import connect, ping
+from infra.streams import connect, ping, run_prefix
 from learner.learner import Learner, stream_learner
 from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel
@@ -68,7 +68,7 @@ class Services:
     def __init__(self, cfg: Config, name: str, console: Any = None, resume: bool = False):
         self.cfg, self.name, self.console, self.resume = cfg, name, console, resume
         self.run_dir = Path(cfg.infra.run_dir) / name
-        self.prefix = f"{cfg.infra.stream_prefix}:{name}"
+        self.prefix = run_prefix(cfg.infra.stream_prefix, name)
         self.redis_url = cfg.infra.redis_url
         self.client: Any = None
         self.buffer: Any = None
