@@ -344,13 +344,14 @@ def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[s
         old.rename(old.with_name(f"{regime.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
     if last is None and regime.continues:
         source = next(r for r in exp.regimes if r.name == regime.continues)
-        if finished(exp, source) is None:
+        done = finished(exp, source)
+        if done is None:
             console.print(f"{regime.name} continues {source.name}, which has not finished: running it first")
-            start_regime(exp, source, console, rerun=set())
+            done = start_regime(exp, source, console, rerun=set())
         last = fork_run(run_dir(exp) / source.name, old, prefix(exp, source), prefix(exp, regime))
         # The source's phase ends where its run ended, even where a time budget cut it short of its
         # updates (a source that made none resumes its phase as configured: 0 would mean no RL at all).
-        updates, planned = finished(exp, source)["updates"], exp.config(source).learner.total_updates
+        updates, planned = done["updates"], exp.config(source).learner.total_updates
         cut = [f"learner.total_updates={updates}"] if 0 < updates < planned else []
         (old / CONTINUED).write_text(json.dumps({"source": source.name, "checkpoint": str(last),
                                                  "overrides": cut}, indent=1))
