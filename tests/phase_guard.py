@@ -15,7 +15,7 @@ import asyncio
 from typing import Any, Callable
 
 from infra.budget import run_counts
-from infra.streams import connect
+from infra.streams import connect, run_prefix
 
 
 class FirstGroupEnds:
@@ -58,6 +58,6 @@ def first_group_ends(monkeypatch: Any, cfg: Any, name: str) -> FirstGroupEnds:
     from infra.run import driver
 
     assert cfg.infra.redis_url, "the watch reads the run's counters from infra.redis_url"
-    ended = FirstGroupEnds(driver.budget, cfg.infra.redis_url, f"{cfg.infra.stream_prefix}:{name}")
+    ended = FirstGroupEnds(driver.budget, cfg.infra.redis_url, run_prefix(cfg.infra.stream_prefix, name))
     monkeypatch.setattr(driver, "budget", ended)
     return ended

@@ -248,7 +248,7 @@ async def test_dreamgym_train_rolls_out_multi_turn_and_trains_packed(tiny_run, r
     from infra.config import load_config
     from infra.run.driver import train
     from infra.schema import decode_as
-    from infra.streams import DATA_FIELD, trajectories_stream
+    from infra.streams import DATA_FIELD, run_prefix, trajectories_stream
 
     cfg = load_config(None, [*tiny_run, "actors.max_steps=3", "actors.multi_turn=true", "learner.total_updates=1",
                              "learner.threads=1", "learner.nice=3", "learner.checkpoint_every=5"])
@@ -258,7 +258,7 @@ async def test_dreamgym_train_rolls_out_multi_turn_and_trains_packed(tiny_run, r
     tok = load_tokenizer("smollm2")
     client = aioredis.Redis.from_url(redis_url)
     try:
-        entries = await client.xrange(trajectories_stream(f"{cfg.infra.stream_prefix}:packed"))
+        entries = await client.xrange(trajectories_stream(run_prefix(cfg.infra.stream_prefix, "packed")))
     finally:
         await client.aclose()
     trajs = [decode_as(fields[DATA_FIELD], Trajectory)
