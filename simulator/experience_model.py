@@ -15,7 +15,10 @@ The buffer may be a local object or a remote proxy whose methods return
 awaitables (the buffer actor); both are accepted. Switches for the paper's
 ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
 
-Departure from the paper: with `cfg.reward_check`, a reward of 1 that the reply's own
+Departures from the paper: with `cfg.action_check`, the actions Mexp lists in a next state that
+the state's own description rules out ("drop cloak" under "Inventory: nothing"; the family's
+grammar, actors/envs/registry.py `action_grammar`) are dropped and the rest renumbered, and a
+state left with none is re-sampled like an unparseable one. With `cfg.reward_check`, a reward of 1 that the reply's own
 reasoning contradicts (its to-do check marks an item of the state's To do line "(not yet)" or
 leaves one out, simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state
 and done stay as Mexp wrote them.
@@ -28,7 +31,8 @@ import inspect
 import logging
 from typing import Any, Sequence
 
-from actors.envs.base import SimulationError
+from actors.envs.base import AbstractState, SimulationError
+from actors.envs.registry import action_grammar
 from infra import metrics
 from infra.config import SimulatorConfig
 from infra.schema import Task
@@ -79,7 +83,9 @@ class ExperienceModel:
         retrieved = await self.retrieve(state, action, episode_id)
         prompt = self.prompt(task, history, retrieved, state, action)
         head = prompts.prefill(self.cfg.reasoning)
-        out = await self._sample(prompt, head, parse_mexp_output, episode_id)
+        grammar = action_grammar(task.family) if self.cfg.action_check else None
+        parse = parse_mexp_output if grammar is None else lambda text: _drop_ruled_out(parse_mexp_output(text), grammar)
+        out = await self._sample(prompt, head, parse, episode_id)
         out.next_state = prompts.join_goal(prompts.split_goal(state)[0], out.next_state)
         if self.cfg.reward_check and contradicted_reward(out, state):  # its own check leaves an item to do
             out.reward, out.contradicted = 0.0, True
@@ -115,6 +121,21 @@ class ExperienceModel:
                 log.debug("Mexp parse failure (%s): %r", exc, text[-200:])
         metrics.SIMULATOR_REJECTED_STEPS.inc()
         raise MexpRejected(reasons, text)
+
+
+def _drop_ruled_out(out: MexpOutput, grammar) -> MexpOutput:
+    """`out` with the listed actions its own next state rules out removed and the rest renumbered;
+    MexpParseError("actions") when none is left (the step is re-sampled)."""
+    state = AbstractState.parse(out.next_state)
+    bad = set(grammar(out.next_state, [text for _, text in state.items]))
+    if not bad:
+        return out
+    kept = [text for _, text in state.items if text not in bad]
+    if not kept:
+        raise MexpParseError("actions", "the state's own description rules out every action it lists")
+    metrics.SIMULATOR_RULED_OUT_ACTIONS.inc(len(state.items) - len(kept))
+    out.next_state = AbstractState(state.description, list(enumerate(kept, start=1))).render()
+    return out
 
 
 async def gather_steps(mexp: ExperienceModel, requests: Sequence[tuple]) -> list[MexpOutput | MexpRejected]:

@@ -20,7 +20,8 @@ cannot contain free text; the state is what lies between the first
 contain the exact boundary `</think>` + `<state>`.
 
 Every failure is a `MexpParseError` with a short `reason` (used as the metric
-label): "not_text", "structure", "reward", "done", "state".
+label): "not_text", "structure", "reward", "done", "state" (and "actions", raised by the
+experience model's action check, simulator/experience_model.py).
 
 `contradicted_reward(out, state)` reads a parsed reply against itself: a reward of 1
 whose own reasoning does not check off every item of the state's To do line (the

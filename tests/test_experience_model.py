@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from actors.envs.base import AbstractState
 from infra import metrics
 from infra.config import SimulatorConfig
 from infra.schema import Task
@@ -245,3 +246,33 @@ def test_synthetic_env_passes_gymnasium_checker(smollm2):
         env.close()
     finally:
         server.stop()
+
+
+async def test_action_check_drops_what_the_next_state_rules_out_and_resamples_an_empty_list(tokenizer):
+    tw = Task("t-cloak", "drop the cloak in the cellar", family="custom", initial_state=START)
+    before = _count(metrics.SIMULATOR_RULED_OUT_ACTIONS)
+
+    def reply(inventory: str, *actions: str) -> str:
+        listed = "\n".join(f"[{i}] {a}" for i, a in enumerate(actions, start=1))
+        return (f"go south: now you in cellar</think><state>\nRoom: cellar\nYou see: safe (closed)\n"
+                f"Exits: north to shower\nInventory: {inventory}\nActions:\n{listed}\n</state>"
+                f"<reward>0</reward><done>false")
+
+    mexp = ExperienceModel(ScriptedClient([reply("nothing", "drop cloak", "open safe", "go north", "go east"),
+                                           reply("nothing", "drop cloak"),  # nothing left: re-sampled
+                                           reply("cloak", "drop cloak", "close safe")]),
+                           None, SimulatorConfig(retrieval=False), tokenizer)
+    out = await mexp.step(tw, [], START, "go south", "e")
+    assert AbstractState.parse(out.next_state).items == [(1, "open safe"), (2, "go north")]
+    assert out.next_state.startswith(GOAL) and "Inventory: nothing" in out.next_state
+    out = await mexp.step(tw, [], START, "go south", "e")
+    assert AbstractState.parse(out.next_state).items == [(1, "drop cloak")] and mexp.parse_failures == 1
+    assert _count(metrics.SIMULATOR_PARSE_FAILURES, reason="actions") >= 1
+    assert _count(metrics.SIMULATOR_RULED_OUT_ACTIONS) == before + 2 + 1
+    # off, or a family without a grammar: the state is Mexp's as written
+    off = ExperienceModel(ScriptedClient([reply("nothing", "drop cloak", "go east")]), None,
+                          SimulatorConfig(retrieval=False, action_check=False), tokenizer)
+    assert len(AbstractState.parse((await off.step(tw, [], START, "go south", "e")).next_state).items) == 2
+    web = ExperienceModel(ScriptedClient([reply("nothing", "drop cloak", "go east")]), None,
+                          SimulatorConfig(retrieval=False), tokenizer)
+    assert len(AbstractState.parse((await web.step(TASK, [], START, "go south", "e")).next_state).items) == 2

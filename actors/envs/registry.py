@@ -1,7 +1,7 @@
 """Which environment and which task set a family name means.
 
-Owns the mapping from a family name to an Environment (`make_env`) and to its task
-splits (`load_or_make_splits`). Family names: "textworld" (or any tw-make family such
+Owns the mapping from a family name to an Environment (`make_env`), to its task
+splits (`load_or_make_splits`) and to the check of its states' action lists (`action_grammar`). Family names: "textworld" (or any tw-make family such
 as "tw-cooking-2", "custom"), "miniwob" (or "miniwob/<task>"), "alfworld" (or
 "alfworld/<task type>") and "browsergym" (or "browsergym/<env id>": MiniWoB++, or
 WebArena with the user's servers, through BrowserGym). Splits live at
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import glob
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from actors.dataset import TaskSplits, splits_path, splits_settings, stamp_matches, write_stamp
 from actors.envs.alfworld_env import AlfWorldEnv
@@ -24,6 +24,7 @@ from actors.envs.base import Environment
 from actors.envs.browsergym_env import BrowserGymEnv, make_browsergym_tasks
 from actors.envs.miniwob_env import MiniWoBEnv, make_miniwob_tasks
 from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
+from actors.envs.textworld_grammar import ruled_out as textworld_ruled_out
 from actors.envs.textworld_env import tasks_from_games as textworld_tasks
 
 
@@ -52,6 +53,17 @@ def make_env(family: str, **kw: Any) -> Environment:
         return BrowserGymEnv(**kw)
 
     return MiniWoBEnv(**kw)
+
+
+def action_grammar(family: str) -> Callable[[str, list[str]], list[str]] | None:
+    """The check `(state, listed actions) -> the ones the state's own description rules out` of a
+    family whose states spell out the world (TextWorld: actors/envs/textworld_grammar.py); None for the
+    others (web pages list what is on them) and for a family name it does not know."""
+    try:
+        kind = canonical_family(family)
+    except ValueError:
+        return None
+    return textworld_ruled_out if kind == "textworld" else None
 
 
 def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: int = 0, rebuild: bool = False) -> TaskSplits:

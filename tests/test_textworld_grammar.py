@@ -1,0 +1,84 @@
+"""The TextWorld action grammar read backwards: which listed actions a state's own description
+rules out. Synthetic states written to break it, and every state of real games (random play),
+where it must rule out nothing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.envs.base import AbstractState
+from actors.envs.registry import action_grammar
+from actors.envs.textworld_env import TextWorldEnv
+from actors.envs.textworld_grammar import ruled_out
+from tests.test_envs_textworld import tw_splits_for
+
+# The 135M Mexp's failure the check exists for (2026-11-26, onpolicy_fidelity): the inventory
+# is empty and the list still offers to drop and put what the policy was meant to be carrying.
+SYNTHETIC = """Goal: put the Advent Calendar on the chair
+Room: attic
+You see: chair, chest (closed), box (open, in it: key)
+Exits: north to hall through wooden door (closed); south to cellar
+Inventory: nothing
+To do: Advent Calendar on chair
+Actions:
+[1] drop Advent Calendar
+[2] put Advent Calendar on chair
+[3] take box
+[4] open chest
+[5] close chest
+[6] open wooden door
+[7] go north
+[8] go west
+[9] take key from box
+[10] take lamp
+[11] insert key into chest
+[12] unlock chest with key
+[13] examine chest"""
+
+
+def _actions(state: str) -> list[str]:
+    return [text for _, text in AbstractState.parse(state).items]
+
+
+def test_a_state_rules_out_what_its_description_contradicts():
+    assert ruled_out(SYNTHETIC, _actions(SYNTHETIC)) == [
+        "drop Advent Calendar", "put Advent Calendar on chair",  # not carried
+        "close chest",  # already closed
+        "go west",  # no exit west
+        "take lamp",  # not in sight
+        "insert key into chest", "unlock chest with key"]  # the key is in the box, not in hand
+    carrying = SYNTHETIC.replace("Inventory: nothing", "Inventory: Advent Calendar, key")
+    assert ruled_out(carrying, _actions(carrying)) == [
+        "close chest", "go west",
+        "take key from box",  # already carried
+        "take lamp", "insert key into chest"]  # the chest is closed
+    # not TextWorld's rendering (a web page): nothing to check
+    assert ruled_out("Page: login\nActions:\n[1] drop table", ["drop table"]) == []
+
+
+def test_the_registry_gives_the_grammar_to_textworld_families_only():
+    assert action_grammar("custom") is ruled_out and action_grammar("tw-cooking-1") is ruled_out
+    assert action_grammar("miniwob/click-button") is None and action_grammar("no-such-family") is None
+
+
+@pytest.mark.slow
+async def test_no_real_state_rules_out_an_action_the_real_game_lists(tmp_path_factory):
+    _root, splits = tw_splits_for(tmp_path_factory)
+    rng, checked = random.Random(0), 0
+    for task in splits.train + splits.heldout:
+        for _episode in range(3):
+            env = TextWorldEnv(max_steps=12)
+            try:
+                state, info = await env.reset(task)
+                for _ in range(12):
+                    assert ruled_out(state, _actions(state)) == [], state
+                    checked += 1
+                    res = await env.step(rng.choice(info["candidates"]))
+                    state, info = res.state, res.info
+                    if res.done:
+                        break
+            finally:
+                await env.close()
+    assert checked > 60
