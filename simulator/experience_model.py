@@ -15,10 +15,11 @@ The buffer may be a local object or a remote proxy whose methods return
 awaitables (the buffer actor); both are accepted. Switches for the paper's
 ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
 
-Departures from the paper: with `cfg.action_check`, the actions Mexp lists in a next state that
-the state's own description rules out ("drop cloak" under "Inventory: nothing"; the family's
-grammar, actors/envs/registry.py `action_grammar`) are dropped and the rest renumbered, and a
-state left with none is re-sampled like an unparseable one. With `cfg.reward_check`, a reward of 1 that the reply's own
+Departures from the paper: with `cfg.action_check`, a next state's action list is made the one
+its own description allows (the family's grammar, actors/envs/registry.py `action_grammar`):
+the actions it rules out ("drop cloak" under "Inventory: nothing") are dropped, the ones the
+world always offers and Mexp left out ("drop X" for each thing carried) are added, and a state
+left with none is re-sampled like an unparseable one. With `cfg.reward_check`, a reward of 1 that the reply's own
 reasoning contradicts (its to-do check marks an item of the state's To do line "(not yet)" or
 leaves one out, simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state
 and done stay as Mexp wrote them.
@@ -84,7 +85,7 @@ class ExperienceModel:
         prompt = self.prompt(task, history, retrieved, state, action)
         head = prompts.prefill(self.cfg.reasoning)
         grammar = action_grammar(task.family) if self.cfg.action_check else None
-        parse = parse_mexp_output if grammar is None else lambda text: _drop_ruled_out(parse_mexp_output(text), grammar)
+        parse = parse_mexp_output if grammar is None else lambda text: _check_actions(parse_mexp_output(text), grammar)
         out = await self._sample(prompt, head, parse, episode_id)
         out.next_state = prompts.join_goal(prompts.split_goal(state)[0], out.next_state)
         if self.cfg.reward_check and contradicted_reward(out, state):  # its own check leaves an item to do
@@ -123,18 +124,20 @@ class ExperienceModel:
         raise MexpRejected(reasons, text)
 
 
-def _drop_ruled_out(out: MexpOutput, grammar) -> MexpOutput:
-    """`out` with the listed actions its own next state rules out removed and the rest renumbered;
-    MexpParseError("actions") when none is left (the step is re-sampled)."""
+def _check_actions(out: MexpOutput, grammar) -> MexpOutput:
+    """`out` with its next state's action list replaced by the one its own description allows
+    (`grammar`, actors/envs/registry.py `action_grammar`); MexpParseError("actions") when that is
+    none (the step is re-sampled)."""
     state = AbstractState.parse(out.next_state)
-    bad = set(grammar(out.next_state, [text for _, text in state.items]))
-    if not bad:
+    listed = [text for _, text in state.items]
+    allowed = grammar(out.next_state, listed)
+    if allowed == listed:
         return out
-    kept = [text for _, text in state.items if text not in bad]
-    if not kept:
-        raise MexpParseError("actions", "the state's own description rules out every action it lists")
-    metrics.SIMULATOR_RULED_OUT_ACTIONS.inc(len(state.items) - len(kept))
-    out.next_state = AbstractState(state.description, list(enumerate(kept, start=1))).render()
+    if not allowed:
+        raise MexpParseError("actions", "the state's own description allows none of the actions it lists")
+    metrics.SIMULATOR_CHECKED_ACTIONS.labels(change="dropped").inc(len(set(listed) - set(allowed)))
+    metrics.SIMULATOR_CHECKED_ACTIONS.labels(change="added").inc(len(set(allowed) - set(listed)))
+    out.next_state = AbstractState(state.description, list(enumerate(allowed, start=1))).render()
     return out
 
 

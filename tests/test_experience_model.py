@@ -248,27 +248,28 @@ def test_synthetic_env_passes_gymnasium_checker(smollm2):
         server.stop()
 
 
-async def test_action_check_drops_what_the_next_state_rules_out_and_resamples_an_empty_list(tokenizer):
+async def test_action_check_makes_the_list_the_one_the_next_state_allows_and_resamples_an_empty_one(tokenizer):
     tw = Task("t-cloak", "drop the cloak in the cellar", family="custom", initial_state=START)
-    before = _count(metrics.SIMULATOR_RULED_OUT_ACTIONS)
+    dropped, added = (_count(metrics.SIMULATOR_CHECKED_ACTIONS, change=c) for c in ("dropped", "added"))
 
-    def reply(inventory: str, *actions: str) -> str:
+    def reply(inventory: str, *actions: str, exits: str = "north to shower", see: str = "safe (closed)") -> str:
         listed = "\n".join(f"[{i}] {a}" for i, a in enumerate(actions, start=1))
-        return (f"go south: now you in cellar</think><state>\nRoom: cellar\nYou see: safe (closed)\n"
-                f"Exits: north to shower\nInventory: {inventory}\nActions:\n{listed}\n</state>"
+        return (f"go south: now you in cellar</think><state>\nRoom: cellar\nYou see: {see}\n"
+                f"Exits: {exits}\nInventory: {inventory}\nActions:\n{listed}\n</state>"
                 f"<reward>0</reward><done>false")
 
-    mexp = ExperienceModel(ScriptedClient([reply("nothing", "drop cloak", "open safe", "go north", "go east"),
-                                           reply("nothing", "drop cloak"),  # nothing left: re-sampled
-                                           reply("cloak", "drop cloak", "close safe")]),
+    mexp = ExperienceModel(ScriptedClient([reply("nothing", "go north", "drop cloak", "open safe", "go east"),
+                                           reply("nothing", "drop cloak", exits="none", see="nothing"),  # none left: re-sampled
+                                           reply("cloak", "open safe", exits="none")]),
                            None, SimulatorConfig(retrieval=False), tokenizer)
     out = await mexp.step(tw, [], START, "go south", "e")
-    assert AbstractState.parse(out.next_state).items == [(1, "open safe"), (2, "go north")]
+    assert AbstractState.parse(out.next_state).items == [(1, "go north"), (2, "open safe")]
     assert out.next_state.startswith(GOAL) and "Inventory: nothing" in out.next_state
-    out = await mexp.step(tw, [], START, "go south", "e")
-    assert AbstractState.parse(out.next_state).items == [(1, "drop cloak")] and mexp.parse_failures == 1
-    assert _count(metrics.SIMULATOR_PARSE_FAILURES, reason="actions") >= 1
-    assert _count(metrics.SIMULATOR_RULED_OUT_ACTIONS) == before + 2 + 1
+    out = await mexp.step(tw, [], START, "go south", "e")  # "drop cloak" added: the cloak is carried
+    assert AbstractState.parse(out.next_state).items == [(1, "drop cloak"), (2, "open safe")]
+    assert mexp.parse_failures == 1 and _count(metrics.SIMULATOR_PARSE_FAILURES, reason="actions") >= 1
+    assert _count(metrics.SIMULATOR_CHECKED_ACTIONS, change="dropped") == dropped + 2  # a rejected reply counts nothing
+    assert _count(metrics.SIMULATOR_CHECKED_ACTIONS, change="added") == added + 1
     # off, or a family without a grammar: the state is Mexp's as written
     off = ExperienceModel(ScriptedClient([reply("nothing", "drop cloak", "go east")]), None,
                           SimulatorConfig(retrieval=False, action_check=False), tokenizer)

@@ -1,6 +1,6 @@
 """The TextWorld action grammar read backwards: which listed actions a state's own description
-rules out. Synthetic states written to break it, and every state of real games (random play),
-where it must rule out nothing."""
+rules out, and which it implies. Synthetic states written to break it, and every state of real
+games (random play), where nothing may be ruled out and everything implied must be listed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from actors.envs.base import AbstractState
 from actors.envs.registry import action_grammar
 from actors.envs.textworld_env import TextWorldEnv
-from actors.envs.textworld_grammar import ruled_out
+from actors.envs.textworld_grammar import consistent_actions, implied, ruled_out
 from tests.test_envs_textworld import tw_splits_for
 
 # The 135M Mexp's failure the check exists for (2026-11-26, onpolicy_fidelity): the inventory
@@ -58,13 +58,23 @@ def test_a_state_rules_out_what_its_description_contradicts():
     assert ruled_out("Page: login\nActions:\n[1] drop table", ["drop table"]) == []
 
 
+def test_a_state_implies_what_the_world_always_offers_and_the_list_is_made_consistent():
+    carrying = SYNTHETIC.replace("Inventory: nothing", "Inventory: Advent Calendar, key")
+    assert sorted(implied(carrying)) == ["close box", "drop Advent Calendar", "drop key", "go north", "go south", "open chest",
+                                         "open wooden door", "take key from box"]
+    assert consistent_actions(carrying, ["take lamp", "go west", "put Advent Calendar on chair"]) == [
+        "close box", "drop Advent Calendar", "drop key", "go north", "go south", "open chest", "open wooden door",
+        "put Advent Calendar on chair", "take key from box"]  # sorted, as TextWorld lists them
+    assert consistent_actions("Page: login\nActions:\n[1] click [1]", ["click [1]"]) == ["click [1]"]
+
+
 def test_the_registry_gives_the_grammar_to_textworld_families_only():
-    assert action_grammar("custom") is ruled_out and action_grammar("tw-cooking-1") is ruled_out
+    assert action_grammar("custom") is consistent_actions and action_grammar("tw-cooking-1") is consistent_actions
     assert action_grammar("miniwob/click-button") is None and action_grammar("no-such-family") is None
 
 
 @pytest.mark.slow
-async def test_no_real_state_rules_out_an_action_the_real_game_lists(tmp_path_factory):
+async def test_a_real_state_rules_out_nothing_and_lists_everything_it_implies(tmp_path_factory):
     _root, splits = tw_splits_for(tmp_path_factory)
     rng, checked = random.Random(0), 0
     for task in splits.train + splits.heldout:
@@ -73,7 +83,9 @@ async def test_no_real_state_rules_out_an_action_the_real_game_lists(tmp_path_fa
             try:
                 state, info = await env.reset(task)
                 for _ in range(12):
-                    assert ruled_out(state, _actions(state)) == [], state
+                    listed = _actions(state)
+                    assert ruled_out(state, listed) == [] and set(implied(state)) <= set(listed), state
+                    assert consistent_actions(state, listed) == listed
                     checked += 1
                     res = await env.step(rng.choice(info["candidates"]))
                     state, info = res.state, res.info

@@ -24,7 +24,7 @@ from actors.envs.base import Environment
 from actors.envs.browsergym_env import BrowserGymEnv, make_browsergym_tasks
 from actors.envs.miniwob_env import MiniWoBEnv, make_miniwob_tasks
 from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
-from actors.envs.textworld_grammar import ruled_out as textworld_ruled_out
+from actors.envs.textworld_grammar import consistent_actions as textworld_actions
 from actors.envs.textworld_env import tasks_from_games as textworld_tasks
 
 
@@ -56,14 +56,15 @@ def make_env(family: str, **kw: Any) -> Environment:
 
 
 def action_grammar(family: str) -> Callable[[str, list[str]], list[str]] | None:
-    """The check `(state, listed actions) -> the ones the state's own description rules out` of a
-    family whose states spell out the world (TextWorld: actors/envs/textworld_grammar.py); None for the
-    others (web pages list what is on them) and for a family name it does not know."""
+    """The check `(state, listed actions) -> the actions the state's own description allows` of a
+    family whose states spell out the world (TextWorld: actors/envs/textworld_grammar.py, which drops
+    what the description rules out and adds what it implies); None for the others (web pages list
+    what is on them) and for a family name it does not know."""
     try:
         kind = canonical_family(family)
     except ValueError:
         return None
-    return textworld_ruled_out if kind == "textworld" else None
+    return textworld_actions if kind == "textworld" else None
 
 
 def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: int = 0, rebuild: bool = False) -> TaskSplits:

@@ -1,23 +1,27 @@
-"""Which of a TextWorld state's listed actions its own description rules out.
+"""Which actions a TextWorld state's own description allows: the command grammar read backwards.
 
-Owns TextWorld's command grammar read backwards: given an abstract state as
-`render_state` writes it (actors/envs/textworld_env.py: "Room:", "You see:", "Exits:",
-"Inventory:", then numbered commands), `ruled_out(state)` names the listed commands that
-the game could not offer in the world that description shows: `drop`, `put`, `insert`,
-`eat` of something not in the inventory, `take` of something carried or not in sight,
-`go` through an exit the room does not have, `open` of what is already open, `close`
-of what is closed, `insert` into a closed container, `unlock`/`lock` of something not in
-sight or without the key in hand.
+Owns two reads of an abstract state as `render_state` writes it (actors/envs/textworld_env.py:
+"Room:", "You see:", "Exits:", "Inventory:", then numbered commands, sorted):
 
-It exists for synthetic states. A real state is consistent by construction (tests check
-that `ruled_out` names nothing on every state of real games); the 135M experience model
-often writes a description and an action list that disagree ("Inventory: nothing" above
-"[3] drop cloak"), and a policy trained on choices among actions that no real game
-offers learns nothing it can use. `simulator.action_check` (simulator/experience_model.py)
-drops them from Mexp's next state.
+- `ruled_out(state, actions)`: the listed commands the game could not offer in the world the
+  description shows: `drop`, `put`, `insert`, `eat` of something not in the inventory, `take`
+  of something carried or not in sight, `go` through an exit the room does not have, `open`
+  of what is already open, `close` of what is closed, `insert` into a closed container,
+  `unlock`/`lock` of something not in sight or without the key in hand;
+- `implied(state)`: the commands the game always offers in that world: `drop` each thing
+  carried, `take X from Y` of what an open container or a supporter shows, `open` what is
+  closed, `close` what is open, `go` each exit. (Not `take` of a thing in the room, `put`,
+  `insert`, `eat` or `unlock`: the description does not say which things are portable,
+  supporters, containers, food or keys.)
 
-It only removes: what the description implies but the list leaves out stays out, since the
-description does not say which things are portable, containers or supporters.
+`consistent_actions` applies both and sorts, as TextWorld lists its commands.
+
+It exists for synthetic states. A real state is consistent by construction (tests check, on
+the states of real games, that nothing is ruled out and everything implied is listed); the
+135M experience model often writes a description and an action list that disagree
+("Inventory: nothing" above "[3] drop cloak") and leaves out commands the world offers, and a
+policy trained on choices no real game offers learns nothing it can use.
+`simulator.action_check` (simulator/experience_model.py) applies it to Mexp's next states.
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ class _World:
     def __init__(self, state: str) -> None:
         lines = {k: v.strip() for k, v in _LINE.findall(state)}
         self.parsed = "Inventory" in lines and "You see" in lines
-        self.inventory = {x.lower() for x in _split_top(lines.get("Inventory", ""))}
+        carried = _split_top(lines.get("Inventory", ""))
+        self.names = {x.lower(): x for x in carried}  # lower-case name -> as the state writes it
+        self.inventory = set(self.names)
         self.here: dict[str, set[str]] = {}  # thing in sight -> its states (open, closed, locked)
         self.contents: dict[str, set[str]] = {}  # container or supporter -> what is in or on it
         for entry in _split_top(lines.get("You see", "")):
@@ -61,17 +67,27 @@ class _World:
         self.directions = {d for d in _DIRECTIONS if re.search(rf"\b{d} to\b", exits)}
         for m in re.finditer(r"through (.+?)(?:;|$)", exits):  # doors: "north to hall through door (closed)"
             self._add(m.group(1).strip())
-        self.text = state.lower()
 
     def _add(self, entry: str) -> None:
         name, _, rest = entry.partition(" (")
-        name = name.strip().lower()
         details = _split_top(rest[:-1] if rest.endswith(")") else rest)
+        inside = [d.split(":", 1)[1].strip() for d in details if ":" in d]
+        self.names.update({x.lower(): x for x in [name.strip(), *inside]})
+        name = name.strip().lower()
         self.here[name] = {d.lower() for d in details if d.lower() in ("open", "closed", "locked")}
-        self.contents[name] = {d.split(":", 1)[1].strip().lower() for d in details if ":" in d}
+        self.contents[name] = {x.lower() for x in inside}
 
-    def sees(self, thing: str) -> bool:
-        return thing in self.here or any(thing in c for c in self.contents.values())
+    def implied(self) -> list[str]:
+        n = self.names
+        out = [f"drop {n[x]}" for x in self.inventory] + [f"go {d}" for d in sorted(self.directions)]
+        for thing, states in self.here.items():
+            if "closed" in states:
+                out.append(f"open {n.get(thing, thing)}")
+            elif "open" in states:
+                out.append(f"close {n.get(thing, thing)}")
+            if not states & {"closed", "locked"}:
+                out += [f"take {n[x]} from {n.get(thing, thing)}" for x in self.contents.get(thing, ())]
+        return out
 
 
 _RULES = [  # (pattern, check(world, groups) -> True when the command fits the world)
@@ -87,12 +103,33 @@ _RULES = [  # (pattern, check(world, groups) -> True when the command fits the w
 ]
 
 
+def implied(state: str) -> list[str]:
+    """The commands TextWorld always offers in the world `state` describes (see the module docstring);
+    none for a state without the Inventory and You see lines."""
+    world = _World(state)
+    return world.implied() if world.parsed else []
+
+
+def consistent_actions(state: str, actions: list[str]) -> list[str]:
+    """`actions` without the ones `state` rules out, with the ones it implies, sorted as TextWorld
+    sorts them; `actions` as they are for a state that is not TextWorld's rendering."""
+    world = _World(state)
+    if not world.parsed:
+        return list(actions)
+    bad = set(_ruled_out(world, actions))
+    kept = [a for a in actions if a not in bad]
+    have = {" ".join(a.lower().split()) for a in kept}
+    return sorted(kept + [a for a in dict.fromkeys(world.implied()) if a.lower() not in have])
+
+
 def ruled_out(state: str, actions: list[str]) -> list[str]:
     """The `actions` (a state's listed commands) that `state`'s own description rules out.
     A state without the Inventory and You see lines (not TextWorld's rendering) rules out nothing."""
     world = _World(state)
-    if not world.parsed:
-        return []
+    return _ruled_out(world, actions) if world.parsed else []
+
+
+def _ruled_out(world: _World, actions: list[str]) -> list[str]:
     out = []
     for action in actions:
         a = " ".join(action.lower().split())
