@@ -153,7 +153,8 @@ class RolloutWorker:
                     # A synthetic-only task (a curriculum variant still queued when sim-to-real switched
                     # to the real env): no real environment can play it. Set aside with its reason.
                     await self.consumer.dead_letter([d], f"NoRealCounterpart: task {d.message.task_id} has no "
-                                                         "game file; only the synthetic environment can play it")
+                                                         "game file; only the synthetic environment can play it",
+                                                    expected=True)
                     self.tasks_dead_lettered += 1
                     continue
                 job = asyncio.create_task(self._serve(d.entry_id, d.message))

@@ -429,17 +429,20 @@ class StreamConsumer(Generic[T]):
                                      for d in spent])
         return spent
 
-    async def dead_letter(self, deliveries: Iterable[Delivery[T]], reason: str) -> None:
+    async def dead_letter(self, deliveries: Iterable[Delivery[T]], reason: str, expected: bool = False) -> None:
         """Move deliveries the caller can never use to the dead-letter stream now, and ack them.
 
         `reason` reads "Kind: detail"; the part before the first colon labels the
         dead-letter metric, so keep it to a fixed vocabulary (e.g. "NonFiniteLoss").
+        `expected`: the run's own course set them aside (a synthetic-only task when sim-to-real
+        switches to the real environment), logged at INFO rather than as an error.
         """
         deliveries = list(deliveries)
         if deliveries:
-            await self._dead_letter([(d.entry_id, {DATA_FIELD: d.raw}, reason) for d in deliveries])
+            await self._dead_letter([(d.entry_id, {DATA_FIELD: d.raw}, reason) for d in deliveries],
+                                    logging.INFO if expected else logging.ERROR)
 
-    async def _dead_letter(self, dead: list[tuple[bytes, dict, str]]) -> None:
+    async def _dead_letter(self, dead: list[tuple[bytes, dict, str]], level: int = logging.ERROR) -> None:
         async def op() -> None:
             pipe = self.client.pipeline(transaction=True)
             for entry_id, fields, reason in dead:
@@ -452,7 +455,7 @@ class StreamConsumer(Generic[T]):
             self._held.discard(entry_id)
             self._errors.pop(entry_id, None)
             metrics.STREAM_DEAD_LETTERS.labels(self.stream, reason.split(":")[0]).inc()
-            log.error("dead-lettered an entry of %s: %s", self.stream, reason)
+            log.log(level, "dead-lettered an entry of %s: %s", self.stream, reason)
 
     async def ack(self, entry_ids: Iterable[bytes]) -> int:
         """Acknowledge entries the caller has used; returns how many were pending."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -205,9 +206,10 @@ async def test_a_task_that_always_fails_is_nacked_then_dead_lettered_and_others_
     await client.aclose()
 
 
-async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_url):
+async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_url, caplog):
     """After a sim-to-real switch the task stream can still hold curriculum variants (no game file):
-    a real-env worker dead-letters them with their reason, never crashes an env on them, and plays the rest."""
+    a real-env worker dead-letters them with their reason (logged as the run's course, not an error),
+    never crashes an env on them, and plays the rest."""
     client = connect(redis_url)
     tasks = [Task(task_id="variant", instruction="climb", generated=True),
              Task(task_id="real", instruction="climb", game_file="ladder.z8")]
@@ -225,6 +227,7 @@ async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_u
     dead = await client.xrange(f"{tasks_stream(PREFIX)}:dead")
     assert [decode_as(f[b"d"], Task).task_id for _, f in dead] == ["variant"]
     assert dead[0][1][b"error"].decode().startswith("NoRealCounterpart: task variant")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and "dead-lettered" in r.getMessage()]
     assert {t.task_id for t in await read_trajs(client)} == {"real"} and worker.tasks_dead_lettered == 1
     assert (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0
     await client.aclose()
