@@ -53,7 +53,7 @@ from actors.episode import run_episode
 from infra import metrics
 from infra.budget import StepBudget, count_key
 from infra.config import ActorsConfig
-from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode, new_id
+from infra.schema import REPLAYED, EnvKind, Status, Task, Trajectory, decode_as, encode, new_id
 from infra.streams import (DATA_FIELD, DEFAULT_MAX_DELIVERIES, LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, key,
                            stream_backlog, tasks_stream, trajectories_stream, with_retry)
 from infra.task_stats import TaskStatsStore
@@ -281,7 +281,8 @@ class RolloutWorker:
                                   action=s.action, reasoning=s.reasoning, next_state=s.next_state, reward=s.reward,
                                   done=s.done, source="synthetic", episode_id=t.trajectory_id,
                                   policy_version=t.policy_version)
-                       for t in trajs if t.status != Status.SIM_ERROR for s in t.steps]
+                       for t in trajs if t.status != Status.SIM_ERROR for s in t.steps
+                       if s.reasoning_source != REPLAYED]  # a real transition the buffer already holds
         if transitions:
             try:
                 await _maybe_await(self.buffer.add(transitions))  # type: ignore[union-attr]

@@ -189,6 +189,7 @@ class SimulatorConfig:
     max_steps: int = _f(8, "Most steps of a synthetic episode.", POSITIVE)
     parse_retries: int = _f(2, "Re-samples of an unparseable Mexp output before the step is rejected.", NON_NEGATIVE)
     reward_check: bool = _f(True, "Set a Mexp reward of 1 to 0 when the reply's own reasoning does not check off every item of the state's To do line (marks one '(not yet)' or leaves it out: a self-contradiction; the next state and done are kept).")
+    replay_real: bool = _f(True, "A synthetic step whose task, state and action are exactly a real transition among the retrieved neighbours (a seed task's offline data) takes that transition's next state, reward and done instead of asking Mexp (the games are deterministic); such steps are not written back. Needs retrieval.")
     action_check: bool = _f(True, "Make a Mexp next state's action list the one its own description allows (TextWorld, actors/envs/textworld_grammar.py: drop 'drop X' with X not in the inventory, 'go north' with no exit north, ...; add 'drop X' for each thing carried, 'go D' for each exit, ...); a state left with none is re-sampled. Other environments: no check.")
     temperature: float = _f(0.7, "Mexp sampling temperature.", NON_NEGATIVE)
     max_new_tokens: int = _f(200, "Cap on Mexp output tokens per step.", POSITIVE)

@@ -103,6 +103,7 @@ SIMULATOR_FIDELITY_WEIGHT_VERSION = Gauge("simulator_fidelity_weight_version", "
 SIMULATOR_STEPS = Counter("simulator_steps_total", "Synthetic transitions produced by Mexp.")
 SIMULATOR_PARSE_FAILURES = Counter("simulator_parse_failures_total", "Mexp outputs that did not parse.", ["reason"])
 SIMULATOR_CONTRADICTED_REWARDS = Counter("simulator_contradicted_rewards_total", "Mexp rewards set to 0 because the reply's own reasoning did not check off every item of the state's To do line (simulator.reward_check).")
+SIMULATOR_REPLAYED_STEPS = Counter("simulator_replayed_steps_total", "Synthetic steps answered with a real transition of the same task, state and action from the buffer instead of Mexp (simulator.replay_real).")
 SIMULATOR_CHECKED_ACTIONS = Counter("simulator_checked_actions_total", "Actions simulator.action_check changed in Mexp's next states: 'dropped' (listed, and ruled out by the state's own description) or 'added' (implied by the description, and not listed).", ["change"])
 SIMULATOR_REJECTED_STEPS = Counter("simulator_rejected_steps_total", "Steps rejected after the retry budget.")
 SIMULATOR_RETRIEVAL_SECONDS = Histogram("simulator_retrieval_seconds", "Replay-buffer top-k query latency.", buckets=_LATENCY)

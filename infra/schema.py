@@ -106,6 +106,9 @@ class Task:
     meta: dict = field(default_factory=dict)
 
 
+REPLAYED = "replay"  # a synthetic step answered by a real transition of the buffer (simulator.replay_real)
+
+
 @dataclass
 class Step:
     """One transition as the policy saw and acted in it."""
@@ -118,7 +121,7 @@ class Step:
     done: bool = False
     next_state: str = ""
     reasoning: str = ""  # Mexp's <think> text, or the env-derived rationale
-    reasoning_source: str = ""  # "mexp", "env-facts", "env-dom-diff", "teacher"
+    reasoning_source: str = ""  # "mexp", "env-facts", "env-dom-diff", "teacher", REPLAYED
     valid: bool = True  # the action was admissible/parseable
     policy_prompt: str = ""  # exact text the policy was conditioned on
     action_token_ids: list = field(default_factory=list)

@@ -15,7 +15,11 @@ The buffer may be a local object or a remote proxy whose methods return
 awaitables (the buffer actor); both are accepted. Switches for the paper's
 ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
 
-Departures from the paper: with `cfg.action_check`, a next state's action list is made the one
+Departures from the paper: with `cfg.replay_real`, a step whose task, state and action are
+exactly those of a real transition among the retrieved neighbours (the offline data of a seed
+task, which the buffer holds) takes that transition's outcome instead of Mexp's: the games are
+deterministic, so it is what the real environment would answer, and Mexp is not called. With
+`cfg.action_check`, a next state's action list is made the one
 its own description allows (the family's grammar, actors/envs/registry.py `action_grammar`):
 the actions it rules out ("drop cloak" under "Inventory: nothing") are dropped, the ones the
 world always offers and Mexp left out ("drop X" for each thing carried) are added, and a state
@@ -82,6 +86,9 @@ class ExperienceModel:
                    episode_id: str) -> MexpOutput:
         """The next state, reward and done for `action` in `state`; raises MexpRejected."""
         retrieved = await self.retrieve(state, action, episode_id)
+        if self.cfg.replay_real and (known := _known_transition(retrieved, task, state, action)) is not None:
+            metrics.SIMULATOR_REPLAYED_STEPS.inc()
+            return MexpOutput(known.reasoning, known.next_state, float(known.reward), bool(known.done), replayed=True)
         prompt = self.prompt(task, history, retrieved, state, action)
         head = prompts.prefill(self.cfg.reasoning)
         grammar = action_grammar(task.family) if self.cfg.action_check else None
@@ -122,6 +129,15 @@ class ExperienceModel:
                 log.debug("Mexp parse failure (%s): %r", exc, text[-200:])
         metrics.SIMULATOR_REJECTED_STEPS.inc()
         raise MexpRejected(reasons, text)
+
+
+def _known_transition(retrieved: Sequence[Transition], task: Task, state: str, action: str) -> Transition | None:
+    """The real transition of this very task, state and action among the neighbours, if there is one.
+    Identical (state, action) texts embed identically, so it is the top neighbour whenever the buffer
+    holds it; replayed steps are not written back, so no synthetic copy can crowd it out."""
+    state, action = state.strip(), action.strip()
+    return next((t for t in retrieved if t.source == "real" and t.task_id == task.task_id
+                 and t.action.strip() == action and t.state.strip() == state), None)
 
 
 def _check_actions(out: MexpOutput, grammar) -> MexpOutput:

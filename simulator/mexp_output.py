@@ -61,6 +61,7 @@ class MexpOutput:
     reward: float
     done: bool
     contradicted: bool = False  # a reward of 1 set to 0 by the reward check (simulator/experience_model.py)
+    replayed: bool = False  # a real transition's outcome, not Mexp's (simulator.replay_real)
 
 
 def parse_mexp_output(text: str) -> MexpOutput:

@@ -9,6 +9,8 @@ An action that is not one of the current state's candidates is answered without
 calling Mexp: the unchanged state prefixed with "Invalid action", reward 0,
 `info["valid"] = False`, as a real environment would (and counted the same way,
 `rollout_invalid_actions_total`). `[n]` picks item n.
+A step that replayed a real transition (simulator.replay_real) is marked
+`info["reasoning_source"] = "replay"`, so the worker does not write it back as synthetic.
 A step whose Mexp output is rejected after the retry budget raises
 `MexpRejected` (the episode loop ends the episode with status `sim_error`), or,
 with `on_reject="end"` (for gymnasium tooling, which expects `step` never to
@@ -21,7 +23,7 @@ from typing import Any
 
 from actors.envs.base import AbstractState, StateFormatError, StepResult, candidate_actions, invalid_observation
 from infra.metrics import ROLLOUT_INVALID_ACTIONS
-from infra.schema import Task, new_id
+from infra.schema import REPLAYED, Task, new_id
 from simulator.experience_model import ExperienceModel, MexpRejected
 
 
@@ -102,7 +104,7 @@ class SyntheticEnv:
         won = out.done and out.reward >= 1.0
         return StepResult(self.state, float(out.reward), self.done,
                           self._info(won=won, truncated=truncated and not out.done, reasoning=out.reasoning,
-                                     reasoning_source="mexp"))
+                                     reasoning_source=REPLAYED if out.replayed else "mexp"))
 
     async def close(self) -> None:
         self.done = True

@@ -277,3 +277,20 @@ async def test_action_check_makes_the_list_the_one_the_next_state_allows_and_res
     web = ExperienceModel(ScriptedClient([reply("nothing", "drop cloak", "go east")]), None,
                           SimulatorConfig(retrieval=False), tokenizer)
     assert len(AbstractState.parse((await web.step(TASK, [], START, "go south", "e")).next_state).items) == 2
+
+
+@pytest.mark.slow
+async def test_replay_real_answers_only_the_same_tasks_exact_real_step(tokenizer, buffer):
+    """The buffer holds t0's real (START, open fridge): t0 replays it without calling Mexp; another task,
+    another action, the setting off, or the transition's own episode (excluded) ask Mexp."""
+    t0 = Task("t0", "cool the milk", initial_state=START)
+    client = ScriptedClient([GOOD] * 4)
+    mexp = ExperienceModel(client, buffer, SimulatorConfig(top_k=2), tokenizer)
+    out = await mexp.step(t0, [], START, "open fridge", "e")
+    assert out.replayed and out.next_state == OPENED and client.prompts == []
+    assert out.reasoning == "the fridge door swings open"  # the other episode's; its own one is excluded
+    for task, action, cfg in [(TASK, "open fridge", SimulatorConfig(top_k=2)), (t0, "go east", SimulatorConfig(top_k=2)),
+                              (t0, "open fridge", SimulatorConfig(top_k=2, replay_real=False))]:
+        out = await ExperienceModel(client, buffer, cfg, tokenizer).step(task, [], START, action, "e")
+        assert not out.replayed
+    assert len(client.prompts) == 3

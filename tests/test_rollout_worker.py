@@ -11,11 +11,19 @@ from actors.rollout_worker import RolloutWorker
 from infra.budget import run_counts
 from infra import metrics
 from infra.config import ActorsConfig
+from actors.envs.base import AbstractState
 from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode
 from infra.streams import (LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, StreamProducer, connect, stream_backlog,
                            tasks_stream, trajectories_stream)
 from infra.task_stats import TaskStatsStore
+from infra.config import SimulatorConfig
+from infra.engine.models import load_tokenizer
+from simulator.embedder import Embedder
+from simulator.experience_model import ExperienceModel
+from simulator.replay_buffer import EdgeBuffer, Transition
+from simulator.synthetic_env import SyntheticEnv
 from tests.rollout_fakes import LadderEnv, ScriptedPolicy
+from tests.test_experience_model import ScriptedClient
 
 PREFIX = "t"
 
@@ -85,6 +93,34 @@ async def test_worker_pushes_records_writes_back_and_acks(redis_url):
         assert {x.source for x in sink.items} == {"synthetic"}
     pending = await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP)
     assert pending["pending"] == 0
+    await client.aclose()
+
+
+async def test_a_step_that_replays_a_real_transition_skips_mexp_and_is_not_written_back(redis_url, tmp_path):
+    """simulator.replay_real: the first step's (task, state, action) is an offline real transition in the
+    buffer, so its outcome is the real one and Mexp answers only the second; only that one is written back."""
+    client = connect(redis_url)
+    rung = [AbstractState(f"Rung {i} of 2", [(1, "up"), (2, "down")]).render() for i in range(2)]
+    task = Task(task_id="task0", instruction="climb", initial_state=rung[0])
+    await StreamProducer(client, tasks_stream(PREFIX)).add([encode(task)])
+    buffer = EdgeBuffer(tmp_path / "edge", Embedder(cache_path=tmp_path / "emb.sqlite"))
+    buffer.add([Transition("task0", "climb", rung[0], "up", "moved up", rung[1], 0.0, False, "real", "offline")])
+    mexp = ScriptedClient(["moved up</think><state>\nRung 2 of 2\nActions:\n[1] down\n</state>"
+                           "<reward>1</reward><done>true"])
+    replayed = metrics.SIMULATOR_REPLAYED_STEPS._value.get()
+    model = ExperienceModel(mexp, buffer, SimulatorConfig(top_k=2), load_tokenizer())
+    w = RolloutWorker("w0", client, PREFIX, ScriptedPolicy(p_first=1.0), lambda: SyntheticEnv(model, max_steps=4),
+                      ActorsConfig(group_size=1, concurrent_episodes=1, max_steps=4), reclaim_idle_ms=300)
+    w.buffer = sink = ListSink()
+    try:
+        await asyncio.wait_for(w.run(max_groups=1), 60)
+    finally:
+        buffer.close()
+    [traj] = await read_trajs(client)
+    assert [(s.action, s.reasoning_source, s.reward) for s in traj.steps] == [("up", "replay", 0.0), ("up", "mexp", 1.0)]
+    assert traj.steps[0].next_state == rung[1] and traj.success
+    assert len(mexp.prompts) == 1 and metrics.SIMULATOR_REPLAYED_STEPS._value.get() == replayed + 1
+    assert [(x.state, x.source) for x in sink.items] == [(rung[1], "synthetic")]
     await client.aclose()
 
 
