@@ -86,7 +86,8 @@ class _World:
             elif "open" in states:
                 out.append(f"close {n.get(thing, thing)}")
             if not states & {"closed", "locked"}:
-                out += [f"take {n[x]} from {n.get(thing, thing)}" for x in self.contents.get(thing, ())]
+                out += [f"take {n[x]} from {n.get(thing, thing)}" for x in self.contents.get(thing, ())
+                        if x not in self.inventory]  # a description that has it in both places: not both
         return out
 
 
