@@ -15,18 +15,20 @@ The buffer may be a local object or a remote proxy whose methods return
 awaitables (the buffer actor); both are accepted. Switches for the paper's
 ablations: `cfg.retrieval` (w/o replay) and `cfg.reasoning` (w/o reasoning).
 
-Departures from the paper: with `cfg.replay_real`, a step whose task, state and action are
-exactly those of a real transition among the retrieved neighbours (the offline data of a seed
-task, which the buffer holds) takes that transition's outcome instead of Mexp's: the games are
-deterministic, so it is what the real environment would answer, and Mexp is not called. With
-`cfg.action_check`, a next state's action list is made the one
-its own description allows (the family's grammar, actors/envs/registry.py `action_grammar`):
-the actions it rules out ("drop cloak" under "Inventory: nothing") are dropped, the ones the
-world always offers and Mexp left out ("drop X" for each thing carried) are added, and a state
-left with none is re-sampled like an unparseable one. With `cfg.reward_check`, a reward of 1 that the reply's own
-reasoning contradicts (its to-do check marks an item of the state's To do line "(not yet)" or
-leaves one out, simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state
-and done stay as Mexp wrote them.
+Departures from the paper:
+- `cfg.replay_real`: a step whose task, state and action are exactly those of a real
+  transition among the retrieved neighbours (the offline data of a seed task, which the buffer
+  holds) takes that transition's outcome instead of Mexp's. The games are deterministic, so it
+  is what the real environment would answer, and Mexp is not called.
+- `cfg.action_check`: a next state's action list is made the one its own description allows
+  (the family's grammar, actors/envs/registry.py `action_grammar`): the actions it rules out
+  ("drop cloak" under "Inventory: nothing") are dropped, the ones the world always offers and
+  Mexp left out ("drop X" for each thing carried) are added, and a state left with none is
+  re-sampled like an unparseable one.
+- `cfg.reward_check`: a reward of 1 that the reply's own reasoning contradicts (its to-do check
+  marks an item of the state's To do line "(not yet)" or leaves one out,
+  simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state and done stay as
+  Mexp wrote them.
 """
 
 from __future__ import annotations
