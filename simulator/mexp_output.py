@@ -24,7 +24,7 @@ label): "not_text", "structure", "reward", "done", "state" (and "actions", raise
 experience model's action check, simulator/experience_model.py).
 
 `contradicted_reward(out, state)` reads a parsed reply against itself: a reward of 1
-whose own reasoning does not check off every item of the state's To do line (the
+whose own reasoning does not show the step achieving every item of the state's To do line (the
 env-facts rationale's check, actors/envs/textworld_env.py `facts_rationale`). The experience
 model applies it (`simulator.reward_check`); this module only says whether the reply
 contradicts itself.
@@ -41,6 +41,7 @@ from actors.envs.base import StateFormatError, validate_state
 _TAIL = re.compile(r"</state>\s*<reward>\s*([^<>]*?)\s*</reward>\s*<done>\s*([^<>]*?)\s*</done>\s*\Z", re.S)
 _BOUNDARY = re.compile(r"</think>\s*<state>", re.S)
 _TODO_LINE = re.compile(r"^To do:(.*)$", re.M)
+_NOW = re.compile(r"\bnow (.*?)(?:;|$)", re.M)  # the rationale's "now A, B" clause: what the step made true
 _TRUE = {"true", "yes", "1"}
 _FALSE = {"false", "no", "0"}
 MAX_CHARS = 20_000
@@ -96,9 +97,11 @@ def parse_mexp_output(text: str) -> MexpOutput:
 
 
 def contradicted_reward(out: MexpOutput, state: str) -> bool:
-    """True when `out` rewards the step although its own reasoning does not check off every item
-    that `state` (the state the step started from) lists under "To do:": an item it marks
-    "(not yet)", or one it does not mention at all.
+    """True when `out` rewards the step although its own reasoning does not show this step achieving
+    every item that `state` (the state the step started from) lists under "To do:": an item its
+    "now ..." clause (what the step made true) does not name, or one it marks "(not yet)". The To do
+    line holds only what is not yet true, so a winning step makes every item true: on the 142
+    rewarded real steps of the CPU preset's collection each item is in the clause.
 
     The env-facts rationale Mexp learns to write (actors/envs/textworld_env.py
     `facts_rationale`) copies each To do item and marks it done or not yet, and a quest is won
@@ -115,7 +118,9 @@ def contradicted_reward(out: MexpOutput, state: str) -> bool:
         return "(not yet)" in reasoning
     items = [i.strip() for i in line.group(1).lower().split(",")]
     items = [i for i in items if i and i != "nothing"]
-    return any(i not in reasoning or f"{i} (not yet)" in reasoning for i in items)
+    now = _NOW.search(reasoning)
+    achieved = now.group(1) if now else ""
+    return any(i not in achieved or f"{i} (not yet)" in reasoning for i in items)
 
 
 def parse_state_only(text: str) -> str:

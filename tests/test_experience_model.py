@@ -117,14 +117,17 @@ async def test_retries_then_rejects_and_counts(tokenizer):
 async def test_a_reward_its_own_check_contradicts_is_set_to_zero(tokenizer):
     todo = START.replace("\nActions:", "\nTo do: apple in fridge, fridge closed\nActions:")
 
-    def reply(check: str, reasoning: bool = True) -> str:
-        think = f"put apple in fridge: now apple in fridge; to do: {check}</think>" if reasoning else ""
+    def reply(check: str, reasoning: bool = True, now: str = "apple in fridge, fridge closed") -> str:
+        think = f"put apple in fridge: now {now}; to do: {check}</think>" if reasoning else ""
         return (think + "<state>\nRoom: Kitchen.\nTo do: nothing\nActions:\n[1] close fridge\n</state>"
                 "<reward>1</reward><done>true")
 
     contradicted = [reply("apple in fridge (done), fridge closed (not yet)"),  # an item still to do
-                    reply("apple in fridge (done)")]  # an item left out
-    kept = [reply("apple in fridge (done), fridge closed (done)"),  # every item done
+                    reply("apple in fridge (done)", now="apple in fridge"),  # an item left out
+                    # marked done, but the step's own "now" clause did not bring it about (a variant's
+                    # "put licorice strip on shelf" checked off "spork on shelf (done)", 2026-11-26)
+                    reply("apple in fridge (done), fridge closed (done)", now="apple in fridge")]
+    kept = [reply("apple in fridge (done), fridge closed (done)"),  # every item done, by this step
             reply("apple in fridge (done), fridge closed (done), chest locked (not yet)")]  # a copied item
     before = _count(metrics.SIMULATOR_CONTRADICTED_REWARDS)
     mexp = ExperienceModel(ScriptedClient(contradicted + kept), None, SimulatorConfig(retrieval=False), tokenizer)
@@ -134,7 +137,7 @@ async def test_a_reward_its_own_check_contradicts_is_set_to_zero(tokenizer):
         assert "To do: nothing" in out.next_state
     for _ in kept:
         assert (await mexp.step(TASK, [], todo, "put apple in fridge", "e")).reward == 1.0
-    assert _count(metrics.SIMULATOR_CONTRADICTED_REWARDS) == before + 2
+    assert _count(metrics.SIMULATOR_CONTRADICTED_REWARDS) == before + 3
     # no To do line in the state: any "(not yet)" contradicts; no reasoning (w/o reasoning): nothing to check
     no_line = ExperienceModel(ScriptedClient([contradicted[0], kept[0]]), None, SimulatorConfig(retrieval=False),
                               tokenizer)
@@ -281,12 +284,12 @@ async def test_action_check_makes_the_list_the_one_the_next_state_allows_and_res
 
 @pytest.mark.slow
 async def test_replay_real_answers_only_the_same_tasks_exact_real_step(tokenizer, buffer):
-    """The buffer holds t0's real (START, open fridge): t0 replays it without calling Mexp; another task,
-    another action, the setting off, or the transition's own episode (excluded) ask Mexp."""
+    """The buffer holds t0's real (START, open fridge) from two episodes: t0 replays the one that is not
+    its own without calling Mexp; another task, another action or the setting off ask Mexp."""
     t0 = Task("t0", "cool the milk", initial_state=START)
     client = ScriptedClient([GOOD] * 4)
     mexp = ExperienceModel(client, buffer, SimulatorConfig(top_k=2), tokenizer)
-    out = await mexp.step(t0, [], START, "open fridge", "e")
+    out = await mexp.step(t0, [], START, "open fridge", "this-episode")
     assert out.replayed and out.next_state == OPENED and client.prompts == []
     assert out.reasoning == "the fridge door swings open"  # the other episode's; its own one is excluded
     for task, action, cfg in [(TASK, "open fridge", SimulatorConfig(top_k=2)), (t0, "go east", SimulatorConfig(top_k=2)),
