@@ -141,6 +141,8 @@ for _direction in ("up", "down"):
     ROLLOUT_SCALE_EVENTS.labels(direction=_direction)
 for _where in ("loss", "gradient", "weights"):
     LEARNER_NONFINITE_UPDATES.labels(where=_where)
+for _change in ("dropped", "added"):
+    SIMULATOR_CHECKED_ACTIONS.labels(change=_change)
 
 
 def engine_queue_depth() -> float:
