@@ -1,12 +1,12 @@
 """Which environment and which task set a family name means.
 
-Owns the mapping from a family name to an Environment (`make_env`), to its task
-splits (`load_or_make_splits`) and to the check of its states' action lists (`action_grammar`). Family names: "textworld" (or any tw-make family such
-as "tw-cooking-2", "custom"), "miniwob" (or "miniwob/<task>"), "alfworld" (or
-"alfworld/<task type>") and "browsergym" (or "browsergym/<env id>": MiniWoB++, or
-WebArena with the user's servers, through BrowserGym). Splits live at
-`<data_dir>/<family>/splits.json` and are made once (games generated, pages
-visited) from the `data` config section, then read back.
+Owns the mapping from a family name to an Environment (`make_env`), to its task splits
+(`load_or_make_splits`) and to the check of its states' action lists (`action_grammar`).
+Family names: "textworld" (or any tw-make family such as "tw-cooking-2", "custom"),
+"miniwob" (or "miniwob/<task>"), "alfworld" (or "alfworld/<task type>") and "browsergym"
+(or "browsergym/<env id>": MiniWoB++, or WebArena with the user's servers, through
+BrowserGym). Splits live at `<data_dir>/<family>/splits.json` and are made once (games
+generated, pages visited) from the `data` config section, then read back.
 """
 
 from __future__ import annotations
