@@ -106,8 +106,8 @@ def contradicted_reward(out: MexpOutput, state: str) -> bool:
     The env-facts rationale Mexp learns to write (actors/envs/textworld_env.py
     `facts_rationale`) copies each To do item and marks it done or not yet, and a quest is won
     exactly when every item is done. The 135M Mexp's false rewards mostly break that: its check
-    says an item is still to do, or leaves one out, and the state it writes next says "To do:
-    nothing" with reward 1. Items its check copies from the retrieved neighbours ("chest locked
+    says an item is still to do, or marks done an item its "now" clause did not bring about, and
+    the state it writes next says "To do: nothing" with reward 1. Items its check copies from the retrieved neighbours ("chest locked
     (not yet)" in a game with no chest) do not count. A state with no To do line (other
     environments): any "(not yet)" in the reasoning. A reply with no reasoning is never contradicted."""
     if out.reward < 0.5 or not out.reasoning.strip():  # no reasoning (the w/o-reasoning ablation): no check
