@@ -36,11 +36,10 @@ import math
 import re
 from dataclasses import dataclass
 
-from actors.envs.base import StateFormatError, validate_state
+from actors.envs.base import StateFormatError, to_do_items, validate_state
 
 _TAIL = re.compile(r"</state>\s*<reward>\s*([^<>]*?)\s*</reward>\s*<done>\s*([^<>]*?)\s*</done>\s*\Z", re.S)
 _BOUNDARY = re.compile(r"</think>\s*<state>", re.S)
-_TODO_LINE = re.compile(r"^To do:(.*)$", re.M)
 _NOW = re.compile(r"\bnow (.*?)(?:;|$)", re.M)  # the rationale's "now A, B" clause: what the step made true
 _TRUE = {"true", "yes", "1"}
 _FALSE = {"false", "no", "0"}
@@ -113,11 +112,9 @@ def contradicted_reward(out: MexpOutput, state: str) -> bool:
     if out.reward < 0.5 or not out.reasoning.strip():  # no reasoning (the w/o-reasoning ablation): no check
         return False
     reasoning = out.reasoning.lower()
-    line = _TODO_LINE.search(state)
-    if line is None:
+    items = to_do_items(state)
+    if items is None:
         return "(not yet)" in reasoning
-    items = [i.strip() for i in line.group(1).lower().split(",")]
-    items = [i for i in items if i and i != "nothing"]
     now = _NOW.search(reasoning)
     achieved = now.group(1) if now else ""
     return any(i not in achieved or f"{i} (not yet)" in reasoning for i in items)

@@ -14,14 +14,24 @@ its reply, and the checks a variant passes before it joins the pool:
    variant keeps the seed's action types), with the goal line rewritten; the
    variant must name something in that state, else its target does not exist
    there, and use one of its action types (the first word of a candidate action,
-   or a listed synonym), else it is rejected as `wrong_actions`. A seed without one is started by the simulator (`ExperienceModel.
+   or a listed synonym), else it is rejected as `wrong_actions`; and where that
+   state has a "To do:" line (TextWorld: the facts the quest still needs, which the
+   reward check reads, simulator/mexp_output.py), the variant must name every
+   item's objects, else it is rejected as `off_goal`: its reward would be decided
+   by a goal its instruction does not state. A seed without one is started by the simulator (`ExperienceModel.
    initial_state`, or any `StartState`), whose reply must be a valid abstract
    state; that state is kept as the variant's initial state, so all rollouts of a
    group start alike.
 
-Departure from the paper: Mtask writes one variant per request (several requests
+Departures from the paper: Mtask writes one variant per request (several requests
 per seed, sampled concurrently so the engine batches them) rather than a list in
-one reply: a 135M model keeps one line on topic far more often than a list.
+one reply: a 135M model keeps one line on topic far more often than a list. A
+TextWorld variant keeps its parent's To do line, so it changes the wording, a
+constraint or a detail of the quest, never its target (the prompt asks for that):
+the variants of stop 37's runs changed the target in their instruction only
+("I will drop three paces, but you can't take more from the cookhouse.") while the
+reward still followed the parent's To do line, and DreamGym GRPO with them lost
+20.8 and 8.3 points where the same run without variants gained 6.2.
 Each outcome is counted in CURRICULUM_VARIANTS{outcome}.
 """
 
@@ -35,7 +45,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 import numpy as np
 
-from actors.envs.base import AbstractState, StateFormatError, candidate_actions, validate_state
+from actors.envs.base import AbstractState, StateFormatError, candidate_actions, to_do_items, validate_state
 from infra import metrics
 from infra.config import CurriculumConfig
 from infra.schema import Task, new_id
@@ -44,7 +54,7 @@ log = logging.getLogger(__name__)
 
 StartState = Callable[[Task], Awaitable[str]]  # the simulator's initial state for a task (may raise)
 
-OUTCOMES = ("accepted", "unparseable", "duplicate", "infeasible", "wrong_actions", "engine_error")
+OUTCOMES = ("accepted", "unparseable", "duplicate", "infeasible", "wrong_actions", "off_goal", "engine_error")
 
 SYSTEM = ("You write new training tasks for a text-game agent. Given a task, write ONE new task of the same kind: "
           "the same kind of actions, but a different target object, place, constraint or detail. "
@@ -161,6 +171,10 @@ def build_messages(seed: Task) -> list[dict]:
             user.append("Actions the agent can take there: " + "; ".join(t for _, t in items))
         except StateFormatError:
             pass
+        goal = to_do_items(seed.initial_state)
+        if goal:
+            user.append("The new task must still end with: " + ", ".join(goal)
+                        + ". Change the wording, a constraint or a detail, not that.")
     user.append("Write one new task of the same kind.")
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n".join(user)}]
 
@@ -247,7 +261,8 @@ class TaskVariantGenerator:
                               "root": seed.meta.get("root", seed.task_id) if seed.generated else seed.task_id})
             why = await self._feasibility(seed, task)
             if isinstance(why, str):
-                reason, _, detail = why.partition(": ") if why.startswith("wrong_actions") else ("infeasible", "", why)
+                named_reason = why.startswith(("wrong_actions", "off_goal"))
+                reason, _, detail = why.partition(": ") if named_reason else ("infeasible", "", why)
                 reject(seed, reason, detail, raw)
                 continue
             out.accepted.append(why)
@@ -282,6 +297,9 @@ class TaskVariantGenerator:
                 return "names nothing present in the start state"
             if verbs and not uses_action_types(task.instruction, verbs):
                 return f"wrong_actions: uses none of the seed's action types ({', '.join(sorted(verbs)[:8])})"
+            missing = [i for i in to_do_items(state) or [] if not content_words(i) <= content_words(task.instruction)]
+            if missing:
+                return f"off_goal: does not name what the quest still needs ({', '.join(missing)})"
             return replace(task, initial_state=state, meta={**task.meta, "initial_state_from": "parent"})
         if self.start_state is None:
             return "no simulator to start a task without an initial state"

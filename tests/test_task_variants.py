@@ -128,6 +128,34 @@ async def test_invalid_duplicate_and_infeasible_variants_are_rejected_each_for_i
     assert r.acceptance_rate == pytest.approx(3 / 12)
 
 
+QUEST = """Goal: Put the licorice strip on the shelf in the pantry.
+Room: pantry
+You see: shelf, table (on it: spork)
+Inventory: licorice strip
+To do: licorice strip on shelf
+Actions:
+[1] drop licorice strip
+[2] put licorice strip on shelf
+[3] take spork from table"""
+
+
+@pytest.mark.model
+async def test_a_variant_whose_instruction_drops_what_the_quest_still_needs_is_off_goal(embedder):
+    """The To do line decides the reward: a variant naming another target would be rewarded for the parent's."""
+    seed = Task(task_id="tw-7", instruction="Put the licorice strip on the shelf in the pantry.", family="tw-custom",
+                initial_state=QUEST)
+    assert "must still end with: licorice strip on shelf" in build_messages(seed)[1]["content"]
+    gen = TaskVariantGenerator(None, None, CurriculumConfig(duplicate_threshold=0.99), embedder)
+    before = _count("off_goal")
+    r = await gen.validate([(seed, "Task: put the spork on the shelf"),
+                            (seed, "Task: quickly place the licorice strip onto the pantry shelf")], [seed])
+    assert [t.instruction for t in r.accepted] == ["quickly place the licorice strip onto the pantry shelf"]
+    assert [(x.reason, x.detail) for x in r.rejected] == [
+        ("off_goal", "does not name what the quest still needs (licorice strip on shelf)")]
+    assert "To do: licorice strip on shelf" in r.accepted[0].initial_state
+    assert _count("off_goal") - before == 1
+
+
 @pytest.mark.slow
 @pytest.mark.model
 async def test_variants_generated_end_to_end_with_the_real_smollm2_engine(embedder, smollm2, redis_url):

@@ -104,6 +104,21 @@ def validate_state(text: str) -> AbstractState:
     return AbstractState.parse(text)
 
 
+_TODO_LINE = re.compile(r"^To do:(.*)$", re.M)
+
+
+def to_do_items(state: str) -> list[str] | None:
+    """The items of a state's "To do:" line, lower case ([] for "To do: nothing"); None without one.
+
+    The line is what a quest still needs (TextWorld renders it, actors/envs/textworld_env.py); the
+    reward check (simulator/mexp_output.py) and the variant check (simulator/task_variants.py) read it."""
+    line = _TODO_LINE.search(state)
+    if line is None:
+        return None
+    items = [i.strip() for i in line.group(1).lower().split(",")]
+    return [i for i in items if i and i != "nothing"]
+
+
 @dataclass(frozen=True)
 class Action:
     kind: str  # "click", "type", "choose" (item n of a command list) or "command"
