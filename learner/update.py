@@ -76,6 +76,7 @@ class UpdateStats:
     seconds: float
     discarded: dict = field(default_factory=dict)  # outcome -> count since the previous update
     tokens: int = 0  # tokens through the model in the trained forward/backward passes (all epochs)
+    resident_mb: float = 0.0  # the learner process's resident memory after the update, freed pages returned
 
 
 @dataclass

@@ -18,7 +18,7 @@ from infra.config import LearnerConfig
 from infra.schema import Status, Step, Task, Trajectory, decode_as, encode, new_id
 from infra.streams import StreamConsumer, StreamProducer, trajectories_stream
 from learner import checkpoint as ckpt
-from learner.learner import Learner
+from learner.learner import Learner, resident_mb
 from learner.policy_model import PolicyModel
 from learner.weights import WeightPublisher, published_versions
 
@@ -100,6 +100,7 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     assert s1.version == 1 and learner.version == 1 and s1.trajectories == 2 and s1.groups == 1
     assert s1.mean_reward == pytest.approx(0.5) and s1.steps == 4
     assert s1.clip_fraction == 0.0  # on-policy: every ratio is 1
+    assert 100 < s1.resident_mb == pytest.approx(resident_mb(), rel=0.25)  # freed pages returned, then measured
     changed = [n for n, p in lora_policy.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed, "no trainable parameter moved"
     assert learner.consumed_ids == [a[0].trajectory_id, a[1].trajectory_id]

@@ -24,6 +24,7 @@ from actors.dataset import offline_settings, read_trajectories, stamp_matches, t
 from actors.envs.registry import canonical_family, load_or_make_splits
 from infra.config import Config
 from learner import mexp_sft, policy_sft
+from learner.learner import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ def cached_model(cache: Path, what: str, build: Callable[[Path], str], console: 
     t0 = time.perf_counter()
     say(console, f"building the {what} ...")
     note = build(cache)
-    say(console, f"{what} done ({time.perf_counter() - t0:.0f} s{', ' + note if note else ''}): {cache}")
+    resident = release_freed_memory()  # the build's model, optimizer and activations: GBs the run no longer needs
+    say(console, f"{what} done ({time.perf_counter() - t0:.0f} s{', ' + note if note else ''}; "
+                 f"{resident / 1024:.1f} GB resident after it): {cache}")
     return str(cache)
 
 
