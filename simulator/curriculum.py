@@ -21,7 +21,11 @@ infra/run/cluster/scheduler_actor.py).
   machine (2-4 tasks, λ = 0.3) `floor(λ·B)` is 0 and no generated task would ever
   be played, so the bound is kept on the running totals instead: after every batch,
   generated tasks handed out <= λ · all tasks handed out. Over many batches the
-  share tends to λ and never exceeds it at a batch boundary.
+  share tends to λ and never exceeds it at a batch boundary. The share is a cap,
+  not a quota: a generated task whose recent groups all had equal rewards is not
+  handed out again (a seed task keeps `min_weight`; it is a real task, a variant may
+  be garbled). Filled as a quota, one variant whose rollouts always failed took 21
+  of a run's first 100 tasks while 171 trajectories went untrained as zero variance.
 - `cfg.enabled = False` is the paper's "w/o task generation" ablation: uniform
   sampling over the seed tasks, no variants.
 """
@@ -224,6 +228,7 @@ class CurriculumScheduler:
         gen_ids = [t for t in ids if self.pool.tasks[t].generated and not self.real_only]
         seed_ids = [t for t in ids if not self.pool.tasks[t].generated and (self.pool.tasks[t].game_file
                                                                               or not self.real_only)]
+        gen_ids = [t for t in gen_ids if tier(self.last_stats.get(t)) != 2]  # no signal left in them
         b = self.cfg.batch_size
         n_gen = min(len(gen_ids), generated_quota(b, self.cfg.lam, self.handed_out, self.generated_handed_out))
         if not seed_ids:  # only generated tasks left (cannot happen with seeds given; guard anyway)

@@ -120,6 +120,27 @@ async def test_lambda_holds_over_many_batches(redis_url):
     await client.aclose()
 
 
+async def test_a_generated_task_without_reward_variance_is_not_handed_out_again(redis_url):
+    """λ caps the generated share; it does not make a zero-variance variant fill it."""
+    client = connect(redis_url)
+    store = TaskStatsStore(client, "zv")
+    cfg = CurriculumConfig(lam=0.3, batch_size=2, generate_every=10_000, seeds_per_round=1, variants_per_seed=1)
+    sched = CurriculumScheduler(client, cfg, "zv", _seeds(4), variants=AlwaysVariants(), seed=1)
+    await sched.start()
+    await sched.pool.add([Task(task_id="v-dead", instruction="garbled", parent_id="seed-0", generated=True),
+                          Task(task_id="v-live", instruction="fine", parent_id="seed-1", generated=True)])
+    await store.record_group("v-dead", [0, 0, 0, 0])
+    await store.record_group("v-live", [1, 0, 0, 1])
+    picks = [t.task_id for _ in range(100) for t in await sched.next_batch()]
+    assert "v-dead" not in picks
+    assert picks.count("v-live") == pytest.approx(0.3 * len(picks), abs=2)  # the cap still fills with a live one
+    for _ in range(cfg.recent_groups):  # its recent groups now carry no signal either
+        await store.record_group("v-live", [1, 1, 1, 1])
+    later = [t.task_id for _ in range(20) for t in await sched.next_batch()]
+    assert not any(t.startswith("v-") for t in later)
+    await client.aclose()
+
+
 async def test_scheduler_prefers_high_variance_tasks_from_redis_stats(redis_url):
     client = connect(redis_url)
     store = TaskStatsStore(client, "pref")
