@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
-import ctypes.util
 import inspect
 import logging
 import os
@@ -97,7 +96,7 @@ def init_update_thread(threads: int, nice: int) -> tuple[int, int]:
     return in_force
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" and ctypes.util.find_library("c") else None
+_LIBC = ctypes.CDLL(None) if os.name == "posix" else None  # the process's own symbols: libc's among them
 
 
 def resident_mb() -> float:
