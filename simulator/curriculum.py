@@ -225,10 +225,11 @@ class CurriculumScheduler:
         mean_v, zero = variance_summary(self.last_stats)
         metrics.CURRICULUM_MEAN_TASK_VARIANCE.set(mean_v)
         metrics.CURRICULUM_ZERO_VARIANCE_FRACTION.set(zero)
-        gen_ids = [t for t in ids if self.pool.tasks[t].generated and not self.real_only]
+        # generated tasks whose recent groups carried no reward variance are not handed out (the docstring)
+        gen_ids = [t for t in ids if self.pool.tasks[t].generated and not self.real_only
+                   and tier(self.last_stats.get(t)) != 2]
         seed_ids = [t for t in ids if not self.pool.tasks[t].generated and (self.pool.tasks[t].game_file
                                                                               or not self.real_only)]
-        gen_ids = [t for t in gen_ids if tier(self.last_stats.get(t)) != 2]  # no signal left in them
         b = self.cfg.batch_size
         n_gen = min(len(gen_ids), generated_quota(b, self.cfg.lam, self.handed_out, self.generated_handed_out))
         if not seed_ids:  # only generated tasks left (cannot happen with seeds given; guard anyway)
