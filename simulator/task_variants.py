@@ -55,9 +55,12 @@ log = logging.getLogger(__name__)
 StartState = Callable[[Task], Awaitable[str]]  # the simulator's initial state for a task (may raise)
 
 OUTCOMES = ("accepted", "unparseable", "duplicate", "infeasible", "wrong_actions", "off_goal", "engine_error")
+for _outcome in OUTCOMES:  # every outcome has a series from the start (a rate over it is 0, not absent)
+    metrics.CURRICULUM_VARIANTS.labels(_outcome)
 
 SYSTEM = ("You write new training tasks for a text-game agent. Given a task, write ONE new task of the same kind: "
-          "the same kind of actions, but a different target object, place, constraint or detail. "
+          "the same kind of actions, but a different target object, place, constraint or detail; where you are "
+          "told what the task must end with, keep that end and change only the rest. "
           "Reply with a single line that starts with 'Task:'.")
 
 _STOP = {"the", "a", "an", "to", "of", "in", "on", "at", "and", "or", "with", "from", "into", "for", "your", "you",

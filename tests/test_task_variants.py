@@ -63,6 +63,10 @@ def test_derived_state_keeps_the_parents_actions_and_rewrites_the_goal():
     assert "take red key from table" in build_messages(SEED)[1]["content"]
 
 
+def test_every_outcome_has_a_series_before_the_first_variant():
+    assert all(REGISTRY.get_sample_value("curriculum_variants_total", {"outcome": o}) is not None for o in OUTCOMES)
+
+
 def _count(outcome: str) -> float:
     return REGISTRY.get_sample_value("curriculum_variants_total", {"outcome": outcome}) or 0.0
 
