@@ -16,6 +16,8 @@ the learner at the engines' priority and thread count); "new" switches on each
 improvement that its flag leaves on:
 
     --packed on|off          actors.multi_turn: one chat per episode, one packed learner forward per trajectory
+                             (label mode only: score mode scores candidates on per-step prompts, so under a
+                             config with actors.action_mode=score the switch is skipped and says so)
     --prefix-cache on|off    engines.prefix_cache_mb (256 MB vs 0)
     --learner-sched on|off   learner.threads=1, learner.nice=5 (a dedicated, lower-priority update thread)
 
@@ -88,11 +90,18 @@ async def engine_figures(url: str) -> dict:
             "requests": values.get("engine_server_request_seconds_count", 0.0)}
 
 
+def inapplicable(args: argparse.Namespace) -> set[str]:
+    """The switches the config rules out: packing needs label mode (score mode uses per-step prompts)."""
+    cfg = load_config(args.config, list(args.set))
+    return {"packed"} if cfg.actors.action_mode == "score" else set()
+
+
 def setting_overrides(name: str, args: argparse.Namespace) -> dict:
     out = dict(OLD)
     if name == "new":
+        skip = inapplicable(args)
         for flag, over in SWITCHES.items():
-            if getattr(args, flag) == "on":
+            if getattr(args, flag) == "on" and flag not in skip:
                 out.update(over)
     return out
 
@@ -139,6 +148,9 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides for every setting, key=value")
     args = ap.parse_args()
     console = Console(quiet=True)
+    for flag in sorted(inapplicable(args)):
+        print(f"--{flag} skipped: {args.config} sets actors.action_mode=score, which scores each candidate on a "
+              f"per-step prompt (no multi-turn chat to pack)", flush=True)
     results = []
     for name in [s for s in args.settings.split(",") if s]:
         cfg = load_config(args.config, [f"{k}={v}" for k, v in setting_overrides(name, args).items()] + list(args.set))
