@@ -317,6 +317,32 @@ async def test_embedded_server_answers_in_sglang_shape(smollm2):
         await handle.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.model
+async def test_embedded_server_counts_scoring_requests_in_its_metrics(smollm2):
+    """A scoring request (prefill log-probs, the policy's score mode) shows in the engine's /metrics
+    as a request and as prompt tokens, as a decoding one does: rl_throughput reads them there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from infra.engine.server import start_embedded_engine
+
+    handle = await start_embedded_engine(loaded=smollm2, max_batch_size=4)
+    try:
+        async with aiohttp.ClientSession() as s:
+            score = {"input_ids": [[1, 2, 3, 4], [1, 2, 3, 5, 6]], "sampling_params": {"max_new_tokens": 0},
+                     "return_logprob": True, "logprob_start_len": 3}
+            async with s.post(handle.url + "/generate", json=score) as r:
+                assert r.status == 200, await r.text()
+            async with s.get(handle.url + "/metrics") as r:
+                text = await r.text()
+        values = {x.name: x.value for f in text_string_to_metric_families(text) for x in f.samples}
+        assert values["engine_server_request_seconds_count"] == 1
+        assert values["engine_prompt_tokens_total"] == 9
+        assert values["engine_server_generated_tokens_total"] == 0
+    finally:
+        await handle.stop()
+
+
 def test_launcher_flags_are_sglang_server_args():
     from infra.config import EngineConfig
     from infra.engine.sglang import build_command

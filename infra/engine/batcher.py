@@ -198,6 +198,7 @@ class Batcher:
         with self._cv:  # the decode loop's thread updates the same counters
             self.requests_total += len(prompts)
             self.prompt_tokens_total += sum(len(p) for p in prompts)
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))  # /metrics counts scored prompts too
         return future
 
     def _serving(self) -> tuple[Any, int]:

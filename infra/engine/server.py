@@ -207,6 +207,7 @@ class EngineApp:
         answers them: `input_token_logprobs` from `start` on, no output tokens. Off the event loop."""
         lps, version = await asyncio.wrap_future(self.batcher.submit_score(prompts, start))
         latency = time.monotonic() - t0
+        self.batcher.metrics.server_seconds.observe(latency)  # one request, as a decode batch of them is one
         results = [{"text": "", "output_ids": [],
                     "meta_info": {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0},
                                   "prompt_tokens": len(p), "completion_tokens": 0, "cached_tokens": 0,
