@@ -11,15 +11,17 @@ time), with the load average beside each figure. Under each setting it prints ea
 engine's own counters (requests, tokens generated, mean decode batch, prompt tokens and those
 served from the prefix cache): where the rollout time went.
 
-Settings: "old" is today's defaults before issue 13 (per-step prompts, no prefix cache,
-the learner at the engines' priority and thread count); "new" switches on each
-improvement that its flag leaves on:
+Settings: "old" is the quickstart before issue 13 (the policy names a letter on per-step
+prompts, no prefix cache, the learner at the engines' priority and thread count, no bound
+on the trajectory backlog); "new" switches on each improvement that its flag leaves on:
 
+    --score on|off           actors.action_mode=score: the policy scores each candidate's text (one batched
+                             forward, no decoding) on per-step prompts
     --packed on|off          actors.multi_turn: one chat per episode, one packed learner forward per trajectory
-                             (label mode only: score mode scores candidates on per-step prompts, so under a
-                             config with actors.action_mode=score the switch is skipped and says so)
+                             (label mode only, so skipped, saying so, while --score is on)
     --prefix-cache on|off    engines.prefix_cache_mb (256 MB vs 0)
-    --learner-sched on|off   learner.threads=1, learner.nice=5 (a dedicated, lower-priority update thread)
+    --learner-sched on|off   learner.threads=1, learner.nice=5 (a dedicated, lower-priority update thread),
+                             actors.max_trajectory_backlog=8 (rollouts stop running ahead of the learner)
 
 Each setting starts its own services (engines included), so they do not share caches.
 Mexp is `--mexp DIR`, else the config's SFT checkpoint (cached under its data_dir, built
@@ -62,11 +64,13 @@ from infra.run.driver import make_trainer, rl_phase  # noqa: E402
 from infra.run.services import Services  # noqa: E402
 from learner import mexp_sft  # noqa: E402
 
-OLD = {"actors.multi_turn": False, "engines.prefix_cache_mb": 0.0, "learner.threads": 0, "learner.nice": 0}
+OLD = {"actors.action_mode": "label", "actors.multi_turn": False, "engines.prefix_cache_mb": 0.0,
+       "learner.threads": 0, "learner.nice": 0, "actors.max_trajectory_backlog": 256}
 SWITCHES = {  # flag -> the overrides it turns on in the "new" setting
+    "score": {"actors.action_mode": "score"},
     "packed": {"actors.multi_turn": True},
     "prefix_cache": {"engines.prefix_cache_mb": 256.0},
-    "learner_sched": {"learner.threads": 1, "learner.nice": 5},
+    "learner_sched": {"learner.threads": 1, "learner.nice": 5, "actors.max_trajectory_backlog": 8},
 }
 
 
@@ -91,9 +95,8 @@ async def engine_figures(url: str) -> dict:
 
 
 def inapplicable(args: argparse.Namespace) -> set[str]:
-    """The switches the config rules out: packing needs label mode (score mode uses per-step prompts)."""
-    cfg = load_config(args.config, list(args.set))
-    return {"packed"} if cfg.actors.action_mode == "score" else set()
+    """The switches another one rules out: packing needs label mode (score mode uses per-step prompts)."""
+    return {"packed"} if args.score == "on" else set()
 
 
 def setting_overrides(name: str, args: argparse.Namespace) -> dict:
@@ -149,8 +152,8 @@ def main() -> None:
     args = ap.parse_args()
     console = Console(quiet=True)
     for flag in sorted(inapplicable(args)):
-        print(f"--{flag} skipped: {args.config} sets actors.action_mode=score, which scores each candidate on a "
-              f"per-step prompt (no multi-turn chat to pack)", flush=True)
+        print(f"--{flag} skipped: --score on scores each candidate on a per-step prompt (no multi-turn chat to "
+              f"pack)", flush=True)
     results = []
     for name in [s for s in args.settings.split(",") if s]:
         cfg = load_config(args.config, [f"{k}={v}" for k, v in setting_overrides(name, args).items()] + list(args.set))
