@@ -45,7 +45,7 @@ def test_async_vs_sync_runs_and_prints_its_ratio():
 def test_rl_throughput_runs_and_prints_each_engines_counters(tiny_run, tiny_dir):
     """The RL-phase benchmark end to end on the tiny model (as Mexp and policy, so no SFT): its table
     and, under the setting, each embedded engine's counters read from that engine's /metrics; the
-    quickstart's score mode leaves the packed switch out, saying so."""
+    score switch (on by default) leaves the packed switch out, saying so."""
     out = run_benchmark("rl_throughput.py", "--settings", "new", "--seconds", "10", "--mexp", str(tiny_dir), "--set",
                         *tiny_run, "actors.env_kind=synthetic", "learner.algo=ppo", timeout=300)
     engines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and " engine: " in line}
@@ -54,7 +54,7 @@ def test_rl_throughput_runs_and_prints_each_engines_counters(tiny_run, tiny_dir)
     assert int(mexp[2]) > 0 and int(mexp[4]) > 0, engines["mexp"]  # requests served, tokens generated
     assert "mean forward batch" in engines["mexp"] and "load(1m) at end" in out
     assert any(line.startswith("  set aside by the learner: ") for line in out.splitlines()), out
-    # configs/quickstart.yaml scores candidates on per-step prompts: the packed switch cannot apply
+    # score mode scores candidates on per-step prompts: the packed switch cannot apply
     assert "--packed skipped" in out and "actors.multi_turn=True" not in out, out
 
 
