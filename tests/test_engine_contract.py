@@ -36,6 +36,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from infra.engine.client import EngineClient, parse_generate_response
 
@@ -322,8 +323,6 @@ async def test_embedded_server_answers_in_sglang_shape(smollm2):
 async def test_embedded_server_counts_scoring_requests_in_its_metrics(smollm2):
     """A scoring request (prefill log-probs, the policy's score mode) shows in the engine's /metrics
     as a request and as prompt tokens, as a decoding one does: rl_throughput reads them there."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     from infra.engine.server import start_embedded_engine
 
     handle = await start_embedded_engine(loaded=smollm2, max_batch_size=4)

@@ -195,10 +195,11 @@ class Batcher:
             if len(p) > self.max_positions:
                 raise RequestError(f"prompt of {len(p)} tokens exceeds the model's {self.max_positions} positions")
         future = self.scorer.submit(prompts, start)
+        tokens = sum(len(p) for p in prompts)
         with self._cv:  # the decode loop's thread updates the same counters
             self.requests_total += len(prompts)
-            self.prompt_tokens_total += sum(len(p) for p in prompts)
-        self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))  # /metrics counts scored prompts too
+            self.prompt_tokens_total += tokens
+        self.metrics.prompt_tokens.inc(tokens)  # /metrics counts scored prompts too
         return future
 
     def _serving(self) -> tuple[Any, int]:
