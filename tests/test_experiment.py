@@ -24,7 +24,7 @@ from actors.envs.registry import load_or_make_splits, tasks_from_spec
 from infra.budget import StepBudget
 from infra.config import load_config, settings_key
 from infra.run.artifacts import cached_model
-from infra.run.experiment import load_experiment, row
+from infra.run.experiment import load_experiment, markdown, results, row
 from infra.schema import Task
 from learner import mexp_sft, policy_sft
 from learner.weights import resolve_model, version_path
@@ -263,6 +263,28 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert summary["trajectories_pushed"] == source["trajectories_pushed"] > 0
 
 
+def test_a_regime_compares_to_its_own_baseline_where_it_names_one(tmp_path):
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(yaml.safe_dump({"compare_to": "sft", "regimes": {
+        "sft": {}, "sft_strong": {}, "rl": {}, "rl_strong": {"compare_to": "sft_strong"}}}))
+    exp = load_experiment(spec)
+
+    def summary(wins: list[int]) -> dict:
+        per_task = [{"task_id": f"g{i}", "success": bool(w)} for i, w in enumerate(wins)]
+        return {"heldout_after": {"success_rate": sum(wins) / len(wins), "episodes": len(wins),
+                                  "successes": sum(wins), "per_task": per_task}}
+
+    res = results(exp, {"sft": summary([0, 0, 0, 1]), "sft_strong": summary([1, 1, 0, 1]),
+                        "rl": summary([1, 0, 0, 1]), "rl_strong": summary([1, 1, 1, 1])})
+    rows = {r["regime"]: r for r in res["regimes"]}
+    assert "vs" not in rows["sft"]
+    assert rows["rl"]["vs"] == "sft" and rows["rl"]["diff"] == pytest.approx(0.25)
+    assert rows["rl_strong"]["vs"] == "sft_strong" and rows["rl_strong"]["diff"] == pytest.approx(0.25)
+    assert rows["sft_strong"]["vs"] == "sft" and rows["sft_strong"]["diff"] == pytest.approx(0.5)
+    md = markdown(res)  # the column names sft; a row with another baseline says which
+    assert "Δ vs sft (pts)" in md and "] vs sft_strong |" in md and md.count(" vs sft_strong") == 1
+
+
 def test_experiment_files_are_validated_before_anything_runs(tmp_path):
     from infra.config import ConfigError
 
@@ -272,6 +294,9 @@ def test_experiment_files_are_validated_before_anything_runs(tmp_path):
         load_experiment(bad)
     bad.write_text(yaml.safe_dump({"compare_to": "zzz", "regimes": {"a": {}}}))
     with pytest.raises(ConfigError, match="compare_to"):
+        load_experiment(bad)
+    bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"compare_to": "zzz"}}}))
+    with pytest.raises(ConfigError, match="regimes.b.compare_to: 'zzz'"):
         load_experiment(bad)
     # a regime continues another only when that one's run is its first part: same settings but sim-to-real's
     bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"continues": "zzz"}}}))

@@ -14,8 +14,8 @@ starts from that one's finished run (infra/run/fork.py), so a shared first part 
 the file's loading checks that the two differ only in what acts after that run's end.
 
 The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
-the paired difference to the `compare_to` regime with a bootstrap interval over
-tasks, real transitions used, synthetic transitions, Mexp reward accuracy and ΔR,
+the paired difference to the `compare_to` regime, the experiment's or a regime's own,
+with a bootstrap interval over tasks, real transitions used, synthetic transitions, Mexp reward accuracy and ΔR,
 wall time) and `success_vs_real.png` (held-out success against online real
 transitions used). Beside the regimes, the scripted random and expert choosers play the
 same held-out games (`dreamgym eval --policy random|expert`, seconds each): the floor
@@ -57,6 +57,7 @@ class Regime:
     overrides: list[str] = field(default_factory=list)
     about: str = ""
     continues: str = ""  # a regime whose finished run this one resumes (infra/run/fork.py)
+    compare_to: str = ""  # the regime its paired difference is taken against (default: the experiment's)
 
 
 @dataclass
@@ -95,17 +96,20 @@ def load_experiment(path: str | Path) -> Experiment:
     regimes = []
     for name, spec in doc["regimes"].items():
         spec = spec or {}
-        if not isinstance(spec, dict) or set(spec) - {"overrides", "about", "continues"}:
-            raise ConfigError(f"{p}: regimes.{name}: expected {{overrides: [...], about: '...', continues: regime}}")
+        if not isinstance(spec, dict) or set(spec) - {"overrides", "about", "continues", "compare_to"}:
+            raise ConfigError(f"{p}: regimes.{name}: expected {{overrides: [...], about: '...', continues: regime, "
+                              "compare_to: regime}}")
         if not isinstance(spec.get("overrides", []), list):
             raise ConfigError(f"{p}: regimes.{name}.overrides must be a list of section.key=value")
         regimes.append(Regime(str(name), [str(o) for o in spec.get("overrides", [])], str(spec.get("about", "")),
-                              str(spec.get("continues") or "")))
+                              str(spec.get("continues") or ""), str(spec.get("compare_to") or "")))
     exp = Experiment(name=str(doc.get("name") or p.stem), base=str(doc.get("base") or ""),
                      overrides=[str(o) for o in doc.get("overrides") or []], regimes=regimes,
                      compare_to=str(doc.get("compare_to") or ""), about=str(doc.get("about") or ""), path=str(p))
-    if exp.compare_to and exp.compare_to not in {r.name for r in regimes}:
-        raise ConfigError(f"{p}: compare_to: {exp.compare_to!r} is not one of the regimes")
+    for where, target in [("compare_to", exp.compare_to), *((f"regimes.{r.name}.compare_to", r.compare_to)
+                                                            for r in regimes)]:
+        if target and target not in {r.name for r in regimes}:
+            raise ConfigError(f"{p}: {where}: {target!r} is not one of the regimes")
     for r in regimes:
         try:
             exp.config(r)
@@ -237,12 +241,20 @@ def _paired(a: dict, b: dict) -> dict:
 
 
 def results(exp: Experiment, summaries: dict[str, dict], anchors: dict[str, dict] | None = None) -> dict:
-    base = summaries.get(exp.compare_to)
-    rows = [row(r.name, r.about, summaries[r.name], base, exp.compare_to) for r in exp.regimes if r.name in summaries]
+    rows = [row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs)
+            for r in exp.regimes if r.name in summaries]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
             "regimes": rows, "missing": [r.name for r in exp.regimes if r.name not in summaries],
             "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
                         for p, a in (anchors or {}).items()}}
+
+
+def _diff(r: dict, column: str) -> str:
+    """A row's paired difference, naming its baseline where it is not the column's."""
+    if "diff" not in r:
+        return "–"
+    vs = "" if r["vs"] == column else f" vs {r['vs']}"
+    return f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]{vs}"
 
 
 def _pct(x: Any) -> str:
@@ -256,8 +268,7 @@ def markdown(res: dict) -> str:
     lines = [f"# {res['experiment']}", "", res["about"], "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for r in res["regimes"]:
-        diff = (f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]"
-                if "diff" in r else "–")
+        diff = _diff(r, res["compare_to"])
         acc = _pct(r["mexp_reward_accuracy"]) + (" (below threshold)" if r["mexp_below_threshold"] else "")
         if r.get("mexp_reward_recall") is not None:  # runs from before recall was measured have none
             acc += f"; recall {_pct(r['mexp_reward_recall'])}, precision {_pct(r.get('mexp_reward_precision'))}"
@@ -325,8 +336,7 @@ def print_table(res: dict, console: Console) -> None:
     for col in ("regime", "success", "95% CI", f"Δ vs {res['compare_to']}", "real tr.", "synthetic tr.", "wall s"):
         t.add_column(col, justify="right")
     for r in res["regimes"]:
-        diff = f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]" \
-            if "diff" in r else "–"
+        diff = _diff(r, res["compare_to"])
         t.add_row(r["regime"], f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
                   str(r["real_transitions"]), str(r["synthetic_transitions"]), f"{r['wall_seconds'] or 0:.0f}")
     console.print(t)
