@@ -257,6 +257,8 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     log = (out / "real_more" / "train.log").read_text()
     assert "learner.learner: resumed from" in log and "real transitions already spent (resumed)" in " ".join(log.split())
     summary = json.loads((out / "real_more" / "summary.json").read_text())
+    assert summary["phases"][0]["earlier_segment"] and "done in an earlier segment" in \
+        (out / "real_more" / "report.md").read_text()  # the source's phase, not a phase that did nothing
     # the source's exact counters came along under the new name: its 6 real transitions (so its spent budget
     # ended the resumed phase at once), its pushed trajectories, its updates
     assert summary["transitions"]["online_real"] == 6 and summary["updates"] == source["updates"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from infra.run.report import PLOTS, RunHistory, results_table, write_plots, write_summary
+from infra.run.report import PLOTS, RunHistory, phase_row, results_table, write_plots, write_summary
 
 
 def test_plots_summary_and_table(tmp_path):
@@ -64,3 +64,12 @@ def test_dreamgym_report_redraws_plots_and_markdown_of_a_finished_run(tmp_path, 
     for key, _ in PLOTS:
         assert f"(plots/{key}.png)" in md and (tmp_path / "plots" / f"{key}.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["report", str(tmp_path / "missing")]) == 1
+
+
+def test_a_phase_done_in_an_earlier_segment_is_not_reported_as_zero_work():
+    done = {"phase": "DreamGym", "env_kind": "synthetic", "updates": 0, "seconds": 0.0, "trajectories_pushed": 0,
+            "trajectories_set_aside": {}, "trajectories_waiting": 0, "earlier_segment": True}
+    ran = {**done, "phase": "sim-to-real: real env", "updates": 2, "seconds": 308.2, "trajectories_pushed": 92,
+           "trajectories_set_aside": {"zero_variance": 76, "broken": 8}, "earlier_segment": False}
+    assert phase_row(done) == "| DreamGym | done in an earlier segment (counted in the totals above) | – | – | – | – |"
+    assert phase_row(ran) == "| sim-to-real: real env | 2 | 308.2 | 92 | broken 8, zero_variance 76 | 0 |"

@@ -200,7 +200,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
                 "real_transitions": await real.used() if real is not None else 0,
                 "synthetic_transitions": 0, "trajectories_pushed": 0, "trajectories_set_aside": {},
                 "trajectories_waiting": 0, "transition_budget_spent": real is not None and await real.spent(),
-                "seconds": 0.0}
+                "seconds": 0.0, "earlier_segment": True}
     counts0, aside0 = await run_counts(svc.client, svc.prefix), learner.set_aside
     curriculum.real_only = real is not None
     stop = budget(cfg.infra.train_budget_s)

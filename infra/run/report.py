@@ -224,15 +224,22 @@ def markdown(s: dict, images: list[str]) -> str:
     if s.get("phases"):
         lines += ["| phase | updates | seconds | trajectories pushed | set aside by the learner | held for an update |",
                   "|---|---|---|---|---|---|",
-                  *(f"| {p['phase']} | {p['updates']} | {p['seconds']} | {p['trajectories_pushed']} | "
-                    f"{', '.join(f'{k} {n}' for k, n in sorted(p.get('trajectories_set_aside', {}).items())) or '-'} | "
-                    f"{p.get('trajectories_waiting', '-')} |" for p in s["phases"]), ""]
+                  *(phase_row(p) for p in s["phases"]), ""]
     fid = s.get("mexp_fidelity")
     if fid:
         lines += ["Mexp fidelity before RL: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                           for k, v in fid.items()), ""]
     lines += [f"![{Path(i).stem}]({i})" for i in images]
     return "\n".join(lines) + "\n"
+
+
+def phase_row(p: dict) -> str:
+    """One phase's line; a phase a resumed run found already done says so (its figures are the earlier segment's)."""
+    if p.get("earlier_segment"):
+        return f"| {p['phase']} | done in an earlier segment (counted in the totals above) | – | – | – | – |"
+    aside = ", ".join(f"{k} {n}" for k, n in sorted(p.get("trajectories_set_aside", {}).items())) or "-"
+    return (f"| {p['phase']} | {p['updates']} | {p['seconds']} | {p['trajectories_pushed']} | {aside} | "
+            f"{p.get('trajectories_waiting', '-')} |")
 
 
 def history_of(summary_: dict) -> RunHistory:
