@@ -15,8 +15,8 @@ the file's loading checks that the two differ only in what acts after that run's
 
 The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
 the paired difference to the `compare_to` regime, the experiment's or a regime's own,
-with a bootstrap interval over tasks, real transitions used, synthetic transitions, Mexp reward accuracy and ΔR,
-wall time) and `success_vs_real.png` (held-out success against online real
+with a bootstrap interval over tasks, real transitions used, synthetic transitions,
+Mexp reward accuracy and ΔR, wall time) and `success_vs_real.png` (held-out success against online real
 transitions used). Beside the regimes, the scripted random and expert choosers play the
 same held-out games (`dreamgym eval --policy random|expert`, seconds each): the floor
 and the ceiling a learned policy sits between. Caches are keyed by content (infra/run/artifacts.py), so regimes
