@@ -14,7 +14,7 @@ set -uo pipefail
 stage=$1
 PY=${PY:-python3}
 EXP=${EXP:-benchmarks/gpu/textworld_gpu_lease.yaml}
-ONLY=${ONLY:-dreamgym_grpo,real_grpo}
+ONLY=${ONLY:-dreamgym_grpo_wide,real_grpo}  # the wide engines learned on the 2026-11-27 lease; dreamgym_grpo is the H100 one's
 MEXP_REGIME=${MEXP_REGIME:-dreamgym_grpo}
 OUT=${OUT:-/tmp/dg/out}
 site=/tmp/site
