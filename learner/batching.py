@@ -10,7 +10,9 @@ Owns the learner's bookkeeping of stream entries, not the update maths
 2. hold GRPO members until all G of a group arrived (or `group_timeout_s` passed);
    PPO takes trajectories one by one;
 3. set aside episodes the simulator or the environment broke (sim_error / env_error,
-   or no trainable step: their reward says nothing about the policy) as `broken`, drop
+   or no trainable step: their reward says nothing about the policy) as `broken`, episodes
+   of another environment kind than the phase's (`env_kind`: sim-to-real's real phase
+   never trains on the DreamGym phase's leftovers) as `other_env`, drop
    stale ones or mark them for importance correction (learner/staleness.py), and drop
    GRPO groups whose rewards are all equal (`zero_variance`: no advantage to learn from);
    every set-aside entry is counted, never left pending;
@@ -37,7 +39,7 @@ from typing import Any
 
 from infra import metrics
 from infra.config import LearnerConfig
-from infra.schema import Status, Trajectory, encode
+from infra.schema import EnvKind, Status, Trajectory, encode
 from infra.streams import Delivery
 from learner.advantages import group_advantages
 from learner.staleness import StalenessFilter, Verdict, staleness
@@ -80,6 +82,7 @@ class GroupBatcher:
         self._ready: list[Unit] = []
         self._discarded: dict[str, int] = {}
         self.set_aside: dict[str, int] = {}  # trajectories set aside by outcome, since this process started
+        self.env_kind: EnvKind | None = None  # the RL phase's environment kind; others are set aside (None: any)
 
     @property
     def units_needed(self) -> int:
@@ -242,9 +245,12 @@ class GroupBatcher:
                 continue
             del self._groups[key]
             self._group_seen_at.pop(key, None)
-            kept, corrected, broken, stale = [], [], [], []
+            kept, corrected, broken, stale, other = [], [], [], [], []
             for h in members:
                 t = h.traj
+                if self.env_kind is not None and t.env_kind != self.env_kind:
+                    other.append(h)
+                    continue
                 if t.status in BROKEN or not trainable_steps(t):
                     broken.append(h)
                     continue
@@ -255,6 +261,7 @@ class GroupBatcher:
                 else:
                     kept.append(h)
                     corrected.append(verdict is Verdict.CORRECT)
+            await self._discard(other, "other_env")
             await self._discard(broken, "broken")
             await self._discard(stale, "stale")
             if not kept:

@@ -65,7 +65,7 @@ import torch
 
 from infra import metrics
 from infra.config import Config, LearnerConfig
-from infra.schema import Trajectory, decode_as
+from infra.schema import EnvKind, Trajectory, decode_as
 from infra.streams import LEARNER_GROUP, StreamConsumer, trajectories_stream
 from learner import checkpoint as ckpt
 from learner.batching import GroupBatcher
@@ -179,6 +179,16 @@ class Learner:
     def set_aside(self) -> dict[str, int]:
         """Trajectories set aside (zero_variance, stale, broken, duplicate, ...) since this learner started."""
         return dict(self.batches.set_aside)
+
+    @property
+    def env_kind(self) -> EnvKind | None:
+        """The environment kind this learner trains on (the RL phase's); trajectories of another kind are
+        set aside as `other_env` (sim-to-real's real phase never trains on the DreamGym phase's leftovers)."""
+        return self.batches.env_kind
+
+    @env_kind.setter
+    def env_kind(self, kind: EnvKind | str | None) -> None:
+        self.batches.env_kind = None if kind is None else EnvKind(kind)
 
     @property
     def waiting(self) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from actors.policy import build_choice_prompt, choice_logprobs
 from infra.config import LearnerConfig
-from infra.schema import Status, Step, Task, Trajectory, decode_as, encode, new_id
+from infra.schema import EnvKind, Status, Step, Task, Trajectory, decode_as, encode, new_id
 from infra.streams import StreamConsumer, StreamProducer, trajectories_stream
 from learner import checkpoint as ckpt
 from learner.learner import Learner, resident_mb
@@ -151,6 +151,29 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     assert info["learner"]["pending"] == 0
     await client.aclose()
     await client2.aclose()
+
+
+async def test_real_phase_sets_aside_the_synthetic_phases_leftovers(redis_url, smollm2, lora_policy, tmp_path):
+    """Sim-to-real: once the learner trains on real trajectories, a DreamGym-phase group still in the
+    stream (informative, fresh) is set aside as `other_env` and acked, never trained."""
+    model, tok = smollm2
+    client, producer, consumer, stream = await make_consumer(redis_url)
+    learner = Learner(cfg(), "smollm2", tmp_path, consumer, None, group_size=2, policy=lora_policy,
+                      read_block_ms=50)
+    assert learner.env_kind is None  # a learner on its own trains on any kind
+    learner.env_kind = "real"  # what the driver's rl_phase sets from the phase's actors.env_kind
+    assert learner.env_kind is EnvKind.REAL
+    leftover = [make_traj(tok, model, "S", r) for r in (1.0, 0.0)]  # env_kind synthetic, the schema's default
+    real = [make_traj(tok, model, "R", r) for r in (0.0, 1.0)]
+    for t in real:
+        t.env_kind = EnvKind.REAL
+    await producer.add(encode(t) for t in leftover + real)
+    s = await run_until_update(learner)
+    assert learner.consumed_ids == [t.trajectory_id for t in real]
+    assert s.discarded == {"other_env": 2} and learner.set_aside == {"other_env": 2}
+    info = {g["name"].decode(): g for g in await client.xinfo_groups(stream)}
+    assert info["learner"]["pending"] == 0  # set aside is acked with the checkpoint, not left pending
+    await client.aclose()
 
 
 async def test_ppo_and_importance_correction(redis_url, smollm2, tmp_path):

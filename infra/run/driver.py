@@ -203,6 +203,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
                 "seconds": 0.0, "earlier_segment": True}
     counts0, aside0 = await run_counts(svc.client, svc.prefix), learner.set_aside
     curriculum.real_only = real is not None
+    learner.env_kind = cfg.actors.env_kind  # sim-to-real: the DreamGym phase's leftovers are set aside, not trained
     stop = budget(cfg.infra.train_budget_s)
     with report.training_progress(console, cfg, learner, history, label, until) as record:
         def on_update(s: Any) -> None:

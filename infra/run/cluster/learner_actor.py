@@ -61,6 +61,10 @@ class LearnerActor:
     async def publish(self) -> None:
         await self.learner.publish()
 
+    async def set_env_kind(self, kind: str | None) -> None:
+        """Train only on trajectories of this environment kind (the RL phase's)."""
+        self.learner.env_kind = kind
+
     async def finish(self) -> dict:
         await self.learner.finish()
         return self.state()
@@ -95,6 +99,7 @@ class LearnerHandle:
     def __init__(self, actor: Any, state: dict):
         self.actor, self._state = actor, state
         self.extra: dict[str, Any] = {}
+        self._env_kind: str | None = None
 
     @classmethod
     async def start(cls, actor: Any) -> "LearnerHandle":
@@ -111,6 +116,15 @@ class LearnerHandle:
     # as of the actor's last answer to step(), which the update loop polls until the phase ends
     set_aside = property(lambda self: dict(self._state["set_aside"]))
     waiting = property(lambda self: self._state["waiting"])
+
+    @property
+    def env_kind(self) -> str | None:
+        return self._env_kind
+
+    @env_kind.setter
+    def env_kind(self, kind: str | None) -> None:
+        ray.get(self.actor.set_env_kind.remote(None if kind is None else str(kind)), timeout=120)
+        self._env_kind = kind
 
     def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         ray.get(self.actor.register_state.remote(name, get, set_), timeout=120)
