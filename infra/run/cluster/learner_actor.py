@@ -30,6 +30,7 @@ import ray
 from infra.config import Config
 from infra.engine.client import EngineClient
 from infra.run.cluster.runtime import serve_actor_metrics
+from infra.schema import EnvKind
 from infra.streams import connect
 from learner.learner import run_updates, stream_learner
 from learner.update import UpdateStats
@@ -99,7 +100,7 @@ class LearnerHandle:
     def __init__(self, actor: Any, state: dict):
         self.actor, self._state = actor, state
         self.extra: dict[str, Any] = {}
-        self._env_kind: str | None = None
+        self._env_kind: EnvKind | None = None
 
     @classmethod
     async def start(cls, actor: Any) -> "LearnerHandle":
@@ -118,12 +119,13 @@ class LearnerHandle:
     waiting = property(lambda self: self._state["waiting"])
 
     @property
-    def env_kind(self) -> str | None:
+    def env_kind(self) -> EnvKind | None:
         return self._env_kind
 
     @env_kind.setter
-    def env_kind(self, kind: str | None) -> None:
-        ray.get(self.actor.set_env_kind.remote(None if kind is None else str(kind)), timeout=120)
+    def env_kind(self, kind: EnvKind | str | None) -> None:
+        kind = None if kind is None else EnvKind(kind)
+        ray.get(self.actor.set_env_kind.remote(None if kind is None else kind.value), timeout=120)
         self._env_kind = kind
 
     def register_state(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
