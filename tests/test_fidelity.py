@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 
 from infra.config import SimulatorConfig
@@ -119,7 +121,7 @@ class _NoEmbedder:
     """The probe's private buffer with nothing to embed (retrieval off)."""
 
     def embed(self, texts):
-        return [[0.0] * 384 for _ in texts]
+        return np.zeros((len(texts), 384), dtype=np.float32)
 
 
 @pytest.mark.slow
@@ -173,3 +175,35 @@ async def test_judge_averages_what_each_reply_scores_over_parsed_steps():
     assert "Predicted next state:\n" + nxt in client.prompts[0] and "Real next state:\n" + nxt in client.prompts[0]
     assert got["judge_consistency"] == 3.0 and got["judge_informativeness"] == 4.0
     assert got["judge_hallucination"] == 5.0 and got["judge_replies_scored"] == 1
+
+
+async def test_the_check_before_rl_is_kept_for_the_mexp_it_measured(tmp_path):
+    """`dreamgym train`'s fidelity check is replayed once per Mexp and settings: a resumed run (or a
+    sim-to-real run continuing another) reads it from its run directory; another setting replays again."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from infra.config import load_config
+    from infra.engine.models import load_tokenizer
+    from infra.run.driver import FIDELITY_FILE, fidelity_check
+    from tests.test_experience_model import ScriptedClient
+
+    nxt = "Goal: g\nRoom: North.\nActions:\n[1] go south"
+    trajs = [Trajectory(f"t{i}", "g", task=Task(f"t{i}", "g"), steps=[
+        Step(state=REAL, action="go north", next_state=nxt, reasoning="moved", reward=1.0, done=True)])
+        for i in range(2)]  # two tasks: one is held out
+    reply = "moved</think><state>\nRoom: North.\nActions:\n[1] go south\n</state><reward>1</reward><done>true"
+    cfg = load_config(None, ["simulator.retrieval=false", "simulator.parse_retries=0",
+                             "simulator.fidelity_check_steps=4", "actors.env_kind=synthetic"])
+    svc = SimpleNamespace(mexp=ScriptedClient([reply] * 2), tokenizer=load_tokenizer(),
+                          buffer=SimpleNamespace(embedder=_NoEmbedder()), run_dir=tmp_path)
+    console = Console(record=True, width=300)
+
+    first = await fidelity_check(cfg, svc, trajs, "mexp-a", console)
+    assert first["steps"] == 1 and first["reward_accuracy"] == 1.0 and len(svc.mexp.prompts) == 1
+    assert (tmp_path / FIDELITY_FILE).is_file()
+    again = await fidelity_check(cfg, svc, trajs, "mexp-a", console)  # resumed: nothing replayed
+    assert again == first and len(svc.mexp.prompts) == 1 and "kept in" in console.export_text()
+    await fidelity_check(cfg, svc, trajs, "mexp-b", console)  # another Mexp is measured anew
+    assert len(svc.mexp.prompts) == 2

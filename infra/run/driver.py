@@ -40,6 +40,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -49,7 +50,7 @@ from rich.console import Console
 from actors.evaluate import choice_policy_chooser, evaluate
 from actors.policy import ChoicePolicy
 from infra.budget import StepBudget, run_counts
-from infra.config import Config, add_config_arguments, config_from_args
+from infra.config import Config, add_config_arguments, config_from_args, settings_key
 from infra.run import artifacts, report
 from infra.run.cluster.learner_actor import LearnerHandle
 from infra.run.monitoring import record_success_gap
@@ -104,7 +105,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         await svc.start_engines(mexp_model, policy_model)
         await serve_built_models(cfg, svc, mexp_model, policy_model, console)
         learner, curriculum = await make_trainer(cfg, svc, policy_model, splits.train, resume) if plan else (None, None)
-        fidelity = await fidelity_check(cfg, svc, offline, console) if dreamgym else None
+        fidelity = await fidelity_check(cfg, svc, offline, mexp_model, console) if dreamgym else None
         before = await heldout_eval(cfg, svc, splits.heldout, "before", console) \
             if evaluate and plan and cfg.evaluation.before else None
 
@@ -236,13 +237,35 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
             "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1)}
 
 
-async def fidelity_check(cfg: Config, svc: Services, offline: list, console: Any) -> dict | None:
+FIDELITY_FILE = "mexp_fidelity.json"
+
+
+async def fidelity_check(cfg: Config, svc: Services, offline: list, mexp_model: str | None,
+                         console: Any) -> dict | None:
     """Mexp's reward accuracy and ΔR on held-out real steps before RL (simulator.fidelity_check_steps);
     a Mexp below simulator.min_reward_accuracy is reported loudly, since the paper's bound ties real
-    improvement to the model's reward error."""
+    improvement to the model's reward error. The result is kept in the run directory under a key of
+    the Mexp checkpoint and the simulator's settings, so a resumed run (and a sim-to-real run that
+    continues another, infra/run/fork.py) reports the check of the Mexp it serves without replaying it."""
     n = cfg.simulator.fidelity_check_steps
     if not n or cfg.actors.env_kind != "synthetic":
         return None
+    key = settings_key({"mexp": mexp_model, "simulator": dataclasses.asdict(cfg.simulator),
+                        "seed": cfg.infra.seed, "family": cfg.actors.env_family})
+    kept = svc.run_dir / FIDELITY_FILE
+    if mexp_model and kept.is_file():
+        try:
+            saved = json.loads(kept.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("key") == key and isinstance(saved.get("result"), dict):
+            result = saved["result"]
+            export_fidelity(saved.get("summary") or {})
+            line = (f"Mexp fidelity on {result.get('steps')} held-out real steps (this Mexp's check, kept in "
+                    f"{kept}): reward accuracy {result.get('reward_accuracy', float('nan')):.2f}")
+            console.print(f"[bold red]WARNING: {line}: below simulator.min_reward_accuracy[/]"
+                          if result.get("below_threshold") else line)
+            return result
     train_trajs, held_trajs = split_trajectories(offline, cfg.simulator.heldout_frac, cfg.infra.data_dir,
                                                  cfg.actors.env_family)
     t0 = time.perf_counter()
@@ -263,10 +286,13 @@ async def fidelity_check(cfg: Config, svc: Services, offline: list, console: Any
     console.print(line if ok else f"[bold red]WARNING: {line}: below simulator.min_reward_accuracy="
                                    f"{cfg.simulator.min_reward_accuracy}; synthetic rewards are unreliable and "
                                    f"RL in DreamGym may learn the simulator's mistakes[/]")
-    return {**{k: s[k] for k in ("steps", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
-                                  "reward_precision", "delta_r_mean", "done_accuracy", "parse_failure_rate",
-                                  "item_recall", "token_f1") if k in s},
-            "below_threshold": not ok}
+    result = {**{k: s[k] for k in ("steps", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
+                                    "reward_precision", "delta_r_mean", "done_accuracy", "parse_failure_rate",
+                                    "item_recall", "token_f1") if k in s},
+              "below_threshold": not ok}
+    if mexp_model:
+        kept.write_text(json.dumps({"key": key, "result": result, "summary": s}, indent=1, default=str))
+    return result
 
 
 def fidelity_probe(cfg: Config, svc: Services, offline: list) -> FidelityProbe | None:
