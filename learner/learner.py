@@ -298,8 +298,10 @@ class Learner:
                                  on_update, stop, before_step)
 
     async def publish(self) -> None:
-        """Publish the current weights now (after a warm start or a resume)."""
-        if self.publisher is not None:
+        """Publish the current weights now (after a resume, before an evaluation between phases); nothing
+        to do when the engines already serve this version (sim-to-real resumed past its DreamGym phase
+        published the restored weights, then again before evaluating that phase: 0.5 GB saved twice)."""
+        if self.publisher is not None and self.publisher.last_published != self.version:
             await self.publisher.publish(self.exported, self.version)
 
     @property

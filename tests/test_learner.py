@@ -20,7 +20,7 @@ from infra.streams import StreamConsumer, StreamProducer, trajectories_stream
 from learner import checkpoint as ckpt
 from learner.learner import Learner, resident_mb
 from learner.policy_model import PolicyModel
-from learner.weights import WeightPublisher, published_versions
+from learner.weights import WeightPublisher, published_versions, version_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -115,6 +115,9 @@ async def test_grpo_updates_acks_drops_and_resumes(redis_url, smollm2, lora_poli
     s2 = await run_until_update(learner)
     assert s2.version == 2 and learner.consumed_ids[2:] == [e[0].trajectory_id, e[1].trajectory_id]
     assert published_versions(tmp_path) == [2]
+    saved = {f: f.stat().st_mtime_ns for f in version_path(tmp_path, 2).iterdir()}
+    await learner.publish()  # the engines already serve version 2: nothing is saved again
+    assert {f: f.stat().st_mtime_ns for f in version_path(tmp_path, 2).iterdir()} == saved
     assert s2.discarded == {"stale": 2} and learner.staleness.counts().dropped == 2
     assert learner.set_aside == {"zero_variance": 2, "broken": 2, "stale": 2}  # since the start, not per update
     # A duplicate delivery (the producer retried) of a consumed trajectory is acked, not trained.
