@@ -22,9 +22,9 @@ from actors import dataset
 from actors.dataset import offline_settings, splits_path, splits_settings, stamp_matches, write_stamp
 from actors.envs.registry import load_or_make_splits, tasks_from_spec
 from infra.budget import StepBudget
-from infra.config import load_config, settings_key
+from infra.config import ConfigError, load_config, settings_key
 from infra.run.artifacts import cached_model
-from infra.run.experiment import load_experiment, markdown, results, row
+from infra.run.experiment import load_experiment, markdown, results, row, selected
 from infra.schema import Task
 from learner import mexp_sft, policy_sft
 from learner.weights import resolve_model, version_path
@@ -287,9 +287,29 @@ def test_a_regime_compares_to_its_own_baseline_where_it_names_one(tmp_path):
     assert "Δ vs sft (pts)" in md and "] vs sft_strong |" in md and md.count(" vs sft_strong") == 1
 
 
-def test_experiment_files_are_validated_before_anything_runs(tmp_path):
-    from infra.config import ConfigError
+def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
+    # the CPU preset's default run is the paper's table; the strong-start variants run when named
+    exp = load_experiment("configs/experiments/textworld_cpu.yaml")
+    table = [r.name for r in selected(exp, [])]
+    assert table == ["base", "sft", "dreamgym_grpo", "real_grpo", "dreamgym_s2r", "real_ppo", "dreamgym_ppo",
+                     "no_retrieval", "no_reasoning", "no_curriculum", "no_writeback"]
+    assert [r.name for r in selected(exp, ["sft_strong", "sft"])] == ["sft", "sft_strong"]  # file order
+    assert len(selected(exp, [], everything=True)) == len(exp.regimes) > len(table)
+    # an extra regime that has not run is not missing from the table; a finished one is reported
+    res = results(exp, {})
+    assert res["missing"] == table
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"extra": True}}}))
+    done = {"heldout_after": {"success_rate": 1.0, "episodes": 1, "successes": 1,
+                              "per_task": [{"task_id": "g", "success": True}]}}
+    res = results(load_experiment(spec), {"b": done})
+    assert res["missing"] == ["a"] and [r["regime"] for r in res["regimes"]] == ["b"]
+    spec.write_text(yaml.safe_dump({"regimes": {"a": {"extra": "yes"}}}))
+    with pytest.raises(ConfigError, match="regimes.a.extra must be true or false"):
+        load_experiment(spec)
 
+
+def test_experiment_files_are_validated_before_anything_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"regimes": {"a": {"overrides": ["learner.lr=abc"]}}}))
     with pytest.raises(ConfigError, match="regime a: learner.lr"):

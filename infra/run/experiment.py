@@ -12,6 +12,8 @@ after a learner checkpoint continues from it, so an interrupted experiment resum
 where it stopped. A regime that `continues` another (sim-to-real after DreamGym GRPO)
 starts from that one's finished run (infra/run/fork.py), so a shared first part trains once;
 the file's loading checks that the two differ only in what acts after that run's end.
+A regime marked `extra: true` (a variant beside the paper's table, such as the
+strong-start rows) runs only when `--only` names it, or with `--all`; the rest make the table.
 
 The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
 the paired difference to the `compare_to` regime, the experiment's or a regime's own,
@@ -58,6 +60,7 @@ class Regime:
     about: str = ""
     continues: str = ""  # a regime whose finished run this one resumes (infra/run/fork.py)
     compare_to: str = ""  # the regime its paired difference is taken against (default: the experiment's)
+    extra: bool = False  # outside the experiment's table: runs only when named (--only) or with --all
 
 
 @dataclass
@@ -96,13 +99,16 @@ def load_experiment(path: str | Path) -> Experiment:
     regimes = []
     for name, spec in doc["regimes"].items():
         spec = spec or {}
-        if not isinstance(spec, dict) or set(spec) - {"overrides", "about", "continues", "compare_to"}:
+        if not isinstance(spec, dict) or set(spec) - {"overrides", "about", "continues", "compare_to", "extra"}:
             raise ConfigError(f"{p}: regimes.{name}: expected {{overrides: [...], about: '...', continues: regime, "
-                              "compare_to: regime}}")
+                              "compare_to: regime, extra: true|false}}")
         if not isinstance(spec.get("overrides", []), list):
             raise ConfigError(f"{p}: regimes.{name}.overrides must be a list of section.key=value")
+        if not isinstance(spec.get("extra", False), bool):
+            raise ConfigError(f"{p}: regimes.{name}.extra must be true or false")
         regimes.append(Regime(str(name), [str(o) for o in spec.get("overrides", [])], str(spec.get("about", "")),
-                              str(spec.get("continues") or ""), str(spec.get("compare_to") or "")))
+                              str(spec.get("continues") or ""), str(spec.get("compare_to") or ""),
+                              bool(spec.get("extra", False))))
     exp = Experiment(name=str(doc.get("name") or p.stem), base=str(doc.get("base") or ""),
                      overrides=[str(o) for o in doc.get("overrides") or []], regimes=regimes,
                      compare_to=str(doc.get("compare_to") or ""), about=str(doc.get("about") or ""), path=str(p))
@@ -244,7 +250,7 @@ def results(exp: Experiment, summaries: dict[str, dict], anchors: dict[str, dict
     rows = [row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs)
             for r in exp.regimes if r.name in summaries]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
-            "regimes": rows, "missing": [r.name for r in exp.regimes if r.name not in summaries],
+            "regimes": rows, "missing": [r.name for r in exp.regimes if r.name not in summaries and not r.extra],
             "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
                         for p, a in (anchors or {}).items()}}
 
@@ -382,11 +388,21 @@ def prefix(exp: Experiment, regime: Regime) -> str:
     return run_prefix(exp.config(regime).infra.stream_prefix, regime.name)
 
 
+def selected(exp: Experiment, only: list[str], everything: bool = False) -> list[Regime]:
+    """The regimes a run takes on, in file order: those named in `only` (extra ones included), else the
+    table's (every regime not marked `extra`; with `everything`, the extra ones too)."""
+    if only:
+        return [r for r in exp.regimes if r.name in only]
+    return [r for r in exp.regimes if everything or not r.extra]
+
+
 # --- the `dreamgym experiment` command ------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("experiment", help="experiment file, e.g. configs/experiments/textworld_cpu.yaml")
-    p.add_argument("--only", default="", help="comma-separated regimes to run (default: all, in file order)")
+    p.add_argument("--only", default="", help="comma-separated regimes to run, extra ones included (default: every "
+                                              "regime of the table, in file order)")
+    p.add_argument("--all", action="store_true", help="run the extra regimes too (those marked `extra: true`)")
     p.add_argument("--rerun", default="", help="comma-separated regimes to run again even if finished")
     p.add_argument("--list", action="store_true", help="list the regimes and their status, run nothing")
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
@@ -401,11 +417,12 @@ def run(args: argparse.Namespace) -> int:
     for x in [*only, *rerun]:
         if x not in names:
             raise ConfigError(f"--only/--rerun: {x!r} is not a regime of {exp.name} ({', '.join(sorted(names))})")
-    todo = [r for r in exp.regimes if not only or r.name in only]
+    todo = selected(exp, only, args.all)
     if args.list:
         for r in exp.regimes:
             state = "done" if finished(exp, r) else "to run"
-            console.print(f"{r.name:>16}  {state:7}  {r.about}")
+            console.print(f"{r.name:>28}  {state:7}  {'extra  ' if r.extra else ''}{r.about}",
+                          markup=False, highlight=False)
         return 0
     t0 = time.time()
     if not args.report:
