@@ -253,46 +253,46 @@ async def fidelity_check(cfg: Config, svc: Services, offline: list, mexp_model: 
     key = settings_key({"mexp": mexp_model, "simulator": dataclasses.asdict(cfg.simulator),
                         "seed": cfg.infra.seed, "family": cfg.actors.env_family})
     kept = svc.run_dir / FIDELITY_FILE
-    if mexp_model and kept.is_file():
-        try:
-            saved = json.loads(kept.read_text())
-        except (OSError, ValueError):
-            saved = {}
-        if saved.get("key") == key and isinstance(saved.get("result"), dict):
-            result = saved["result"]
-            export_fidelity(saved.get("summary") or {})
-            line = (f"Mexp fidelity on {result.get('steps')} held-out real steps (this Mexp's check, kept in "
-                    f"{kept}): reward accuracy {result.get('reward_accuracy', float('nan')):.2f}")
-            console.print(f"[bold red]WARNING: {line}: below simulator.min_reward_accuracy[/]"
-                          if result.get("below_threshold") else line)
-            return result
-    train_trajs, held_trajs = split_trajectories(offline, cfg.simulator.heldout_frac, cfg.infra.data_dir,
-                                                 cfg.actors.env_family)
-    t0 = time.perf_counter()
-    result = await replay_heldout(svc.mexp, cfg.simulator, svc.tokenizer, train_trajs, held_trajs,
-                                  getattr(svc.buffer, "embedder", None) or Embedder(
-                                      cache_path=artifacts.embedding_cache(cfg)), max_steps=n)
-    s = result["full"]["summary"]
-    if not s.get("steps"):
-        console.print("[yellow]Mexp fidelity check: no held-out real steps to replay[/]")
-        return None
+    s = kept_summary(kept, key) if mexp_model else None
+    if s is not None:
+        took = f"this Mexp's check, kept in {kept}"
+    else:
+        train_trajs, held_trajs = split_trajectories(offline, cfg.simulator.heldout_frac, cfg.infra.data_dir,
+                                                     cfg.actors.env_family)
+        t0 = time.perf_counter()
+        replayed = await replay_heldout(svc.mexp, cfg.simulator, svc.tokenizer, train_trajs, held_trajs,
+                                        getattr(svc.buffer, "embedder", None) or Embedder(
+                                            cache_path=artifacts.embedding_cache(cfg)), max_steps=n)
+        s = replayed["full"]["summary"]
+        if not s.get("steps"):
+            console.print("[yellow]Mexp fidelity check: no held-out real steps to replay[/]")
+            return None
+        took = f"{time.perf_counter() - t0:.0f} s"
+        if mexp_model:
+            kept.write_text(json.dumps({"key": key, "summary": s}, indent=1, default=str))
     ok = s["reward_accuracy"] >= cfg.simulator.min_reward_accuracy
     line = (f"Mexp fidelity on {s['steps']} held-out real steps: reward accuracy {s['reward_accuracy']:.2f} "
             f"(always 0 would score {s['reward_accuracy_all_zero']:.2f}; recall {s['reward_recall']:.2f}, "
             f"precision {s['reward_precision']:.2f}), "
-            f"ΔR {s['delta_r_mean']:.3f}, parse failures {s['parse_failure_rate']:.2f} "
-            f"({time.perf_counter() - t0:.0f} s)")
+            f"ΔR {s['delta_r_mean']:.3f}, parse failures {s['parse_failure_rate']:.2f} ({took})")
     export_fidelity(s)
     console.print(line if ok else f"[bold red]WARNING: {line}: below simulator.min_reward_accuracy="
                                    f"{cfg.simulator.min_reward_accuracy}; synthetic rewards are unreliable and "
                                    f"RL in DreamGym may learn the simulator's mistakes[/]")
-    result = {**{k: s[k] for k in ("steps", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
-                                    "reward_precision", "delta_r_mean", "done_accuracy", "parse_failure_rate",
-                                    "item_recall", "token_f1") if k in s},
-              "below_threshold": not ok}
-    if mexp_model:
-        kept.write_text(json.dumps({"key": key, "result": result, "summary": s}, indent=1, default=str))
-    return result
+    return {**{k: s[k] for k in ("steps", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
+                                  "reward_precision", "delta_r_mean", "done_accuracy", "parse_failure_rate",
+                                  "item_recall", "token_f1") if k in s},
+            "below_threshold": not ok}
+
+
+def kept_summary(path: Path, key: str) -> dict | None:
+    """The fidelity summary kept at `path` under `key` (fidelity_check), or None."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return saved["summary"] if isinstance(saved, dict) and saved.get("key") == key \
+        and isinstance(saved.get("summary"), dict) else None
 
 
 def fidelity_probe(cfg: Config, svc: Services, offline: list) -> FidelityProbe | None:
