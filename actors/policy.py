@@ -339,23 +339,25 @@ def choice_forward(model: Any, tokenizer: Any, prompts: Sequence[str], want_hidd
     """Last-position logits (and final hidden state) of each prompt, one padded batch.
 
     Left padding with explicit position ids, so every row's last position is the one
-    the engine reads, and `logits_to_keep=1` so only that position hits the LM head.
+    the engine reads, and `logits_to_keep=1` so only that position hits the LM head. A
+    padding query attends to itself (`left_padded_mask`), so no attention row is empty.
     Returns (logits [B, V], hidden [B, H] or None).
     """
-    import torch  # the learner's side only: workers never load torch
+    import torch  # the learner's side only: workers never load torch (nor transformers, which scoring imports)
+    from infra.engine.scoring import left_padded_mask
 
     enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     width = max(len(e) for e in enc)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.full((len(enc), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(enc), width), dtype=torch.long)
+    real = torch.zeros((len(enc), width), dtype=torch.bool)
     for i, e in enumerate(enc):
         ids[i, width - len(e):] = torch.tensor(e, dtype=torch.long)
-        mask[i, width - len(e):] = 1
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        real[i, width - len(e):] = True
+    pos = (real.long().cumsum(-1) - 1).clamp(min=0)
     device = next(model.parameters()).device
-    out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
-                logits_to_keep=1, output_hidden_states=want_hidden, use_cache=False)
+    out = model(input_ids=ids.to(device), attention_mask=left_padded_mask(real.to(device)),
+                position_ids=pos.to(device), logits_to_keep=1, output_hidden_states=want_hidden, use_cache=False)
     logits = out.logits[:, -1, :]
     hidden = out.hidden_states[-1][:, -1, :] if want_hidden else None
     return logits, hidden

@@ -95,6 +95,36 @@ def test_choice_logprobs_batch_equals_one_by_one(smollm2):
         choice_logprobs(model, tok, [prompts[0]], [labels[0]], [12345])
 
 
+def test_a_padded_batchs_gradients_stay_finite_where_an_empty_attention_row_is_nan(tok, monkeypatch):
+    """CUDA's bf16 attention kernels answer a query row with no key to attend to with NaN (the
+    2026-11-28 H200 lease: a bf16 GRPO update's gradient norm was NaN). No loss reads a left-padding
+    row, but 0 x NaN in the backward pass would still reach every weight: so no row may be empty."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         pad_token_id=tok.pad_token_id))
+    model.config._attn_implementation = "sdpa"
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    empty_rows = []
+
+    def cuda_like(q, k, v, attn_mask=None, **kw):  # an empty row gives NaN, as those kernels do
+        out = sdpa(q, k, v, attn_mask=attn_mask, **kw)
+        if attn_mask is None or attn_mask.dtype != torch.bool:
+            return out
+        empty = ~attn_mask.any(-1)  # [b, 1, q]
+        empty_rows.append(int(empty.sum()))
+        return out.masked_fill(empty[..., None], float("nan"))
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", cuda_like)
+    prompts, labels = zip(*(build_choice_prompt(tok, TASK, s, c) for s, c in STATES))  # three lengths: padding
+    logp = choice_logprobs(model, tok, list(prompts), list(labels), [lab[0] for lab in labels])
+    logp.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert empty_rows and sum(empty_rows) == 0
+
+
 class _NoLogprobEngine:
     """An engine answer without token_ids_logprobs (e.g. a server that ignores the parameter)."""
 

@@ -69,6 +69,18 @@ def continuation_logprobs(model: Any, prefix: Sequence[int], continuations: Sequ
     return result, hidden
 
 
+def left_padded_mask(real: torch.Tensor) -> torch.Tensor:
+    """The attention mask [n, 1, w, w] (True: may attend) of a left-padded batch whose real tokens
+    are `real` [n, w]: causal over the real keys, and a padding query attends to itself. Without
+    that diagonal a padding query has no key at all; CUDA's bf16 attention kernels answer such a
+    row with NaN, which reaches the weights' gradients (0 x NaN in the backward pass) although no
+    loss reads the row, while the CPU's answer zeros (tests/test_policy.py)."""
+    cols = torch.arange(real.shape[1], device=real.device)
+    causal = cols[None, :] <= cols[:, None]
+    own = cols[None, :] == cols[:, None]
+    return ((real[:, None, :] & causal[None]) | own[None])[:, None]
+
+
 def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
                                   want_hidden: bool = False) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
     """(per item, `continuation_logprobs(model, prefix, continuations)[0]`; each prefix's last hidden
@@ -88,10 +100,7 @@ def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int
         real[i, width - len(prefix):] = True
     ids, real = ids.to(device), real.to(device)
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-    cols = torch.arange(width, device=device)
-    causal = cols[None, :] <= cols[:, None]
-    own = cols[None, :] == cols[:, None]  # a padding query attends to itself: no empty softmax row
-    mask = ((real[:, None, :] & causal[None]) | own[None])[:, None]
+    mask = left_padded_mask(real)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
                 output_hidden_states=want_hidden)
     first = out.logits[:, -1].float().log_softmax(-1)  # [n, V]: predicts each item's first continuation token
