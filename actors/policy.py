@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from actors.envs.base import AbstractState, ActionFormatError, StateFormatError, parse_action
+from infra.engine.padding import left_padded_mask
 from infra.schema import Task
 
 LABELS = string.ascii_lowercase + string.ascii_uppercase
@@ -343,8 +344,7 @@ def choice_forward(model: Any, tokenizer: Any, prompts: Sequence[str], want_hidd
     padding query attends to itself (`left_padded_mask`), so no attention row is empty.
     Returns (logits [B, V], hidden [B, H] or None).
     """
-    import torch  # the learner's side only: workers never load torch (nor transformers, which scoring imports)
-    from infra.engine.scoring import left_padded_mask
+    import torch  # the learner's side only: workers never load torch
 
     enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     width = max(len(e) for e in enc)

@@ -32,6 +32,8 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from infra.engine.padding import left_padded_mask
+
 
 def continuation_logprobs(model: Any, prefix: Sequence[int], continuations: Sequence[Sequence[int]],
                           want_hidden: bool = False) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -67,18 +69,6 @@ def continuation_logprobs(model: Any, prefix: Sequence[int], continuations: Sequ
         lps = rest[i, :len(c) - 1].gather(-1, tail[:, None])[:, 0]
         result.append(torch.cat([first[c[0]].reshape(1), lps]))
     return result, hidden
-
-
-def left_padded_mask(real: torch.Tensor) -> torch.Tensor:
-    """The attention mask [n, 1, w, w] (True: may attend) of a left-padded batch whose real tokens
-    are `real` [n, w]: causal over the real keys, and a padding query attends to itself. Without
-    that diagonal a padding query has no key at all; CUDA's bf16 attention kernels answer such a
-    row with NaN, which reaches the weights' gradients (0 x NaN in the backward pass) although no
-    loss reads the row, while the CPU's answer zeros (tests/test_policy.py)."""
-    cols = torch.arange(real.shape[1], device=real.device)
-    causal = cols[None, :] <= cols[:, None]
-    own = cols[None, :] == cols[:, None]
-    return ((real[:, None, :] & causal[None]) | own[None])[:, None]
 
 
 def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
