@@ -104,8 +104,7 @@ def test_a_padded_batchs_gradients_stay_finite_where_an_empty_attention_row_is_n
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         pad_token_id=tok.pad_token_id))
-    model.config._attn_implementation = "sdpa"
+                                         pad_token_id=tok.pad_token_id, attn_implementation="sdpa"))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     empty_rows = []
 
