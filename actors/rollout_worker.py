@@ -51,7 +51,7 @@ import redis.asyncio as aioredis
 from actors.envs.base import Environment
 from actors.episode import run_episode
 from infra import metrics
-from infra.budget import StepBudget, count_key
+from infra.budget import Hold, StepBudget, count_key
 from infra.config import ActorsConfig
 from infra.schema import REPLAYED, EnvKind, Status, Task, Trajectory, decode_as, encode, new_id
 from infra.streams import (DATA_FIELD, DEFAULT_MAX_DELIVERIES, LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, key,
@@ -112,6 +112,7 @@ class RolloutWorker:
         self._episode_slots = asyncio.Semaphore(cfg.concurrent_episodes)
         self._read_lock = asyncio.Lock()
         self._inflight: dict[bytes, asyncio.Task] = {}
+        self._holds: dict[str, Hold] = {}  # budget holds of the groups in flight, renewed with the task leases
         self._stopping = asyncio.Event()
         self._drain = True
         self.groups_done = 0
@@ -142,7 +143,13 @@ class RolloutWorker:
                 await self._wait_for_learner()
                 if self._stopping.is_set():
                     return
+                hold = await self._hold_group()
+                if hold is None and self.budget is not None and self.budget.limit:  # stop() came while it waited
+                    return
                 deliveries = [d for d in await self.consumer.read(count=1, block_ms=200) if d.entry_id not in self._inflight]
+                if not deliveries or self._stopping.is_set() or (
+                        self.env_kind == EnvKind.REAL and not deliveries[0].message.game_file):
+                    await self._release(hold)
                 if deliveries and self._stopping.is_set():  # stop() came while we were reading
                     await self.hand_back([x.entry_id for x in deliveries])
                     return
@@ -157,7 +164,7 @@ class RolloutWorker:
                                                     expected=True)
                     self.tasks_dead_lettered += 1
                     continue
-                job = asyncio.create_task(self._serve(d.entry_id, d.message))
+                job = asyncio.create_task(self._serve(d.entry_id, d.message, hold))
                 self._inflight[d.entry_id] = job
             try:
                 await asyncio.shield(job)
@@ -207,12 +214,43 @@ class RolloutWorker:
                 metrics.ROLLOUT_BACKPRESSURE_SECONDS.inc(waited)
                 metrics.ROLLOUT_BACKPRESSURE_WAITING.dec()
 
-    async def _serve(self, entry_id: bytes, task: Task) -> None:
+    async def _hold_group(self) -> Hold | None:
+        """Real rollouts on a limited budget: reserve the next group's worst case (G x max_steps) before
+        taking a task, waiting while the budget has no room (infra/budget.py); None at stop() or without a budget."""
+        if self.budget is None or not self.budget.limit:
+            return None
+        delay = 0.05
+        while not self._stopping.is_set():
+            hold = await self.budget.hold(new_id(), self.cfg.group_size * self.cfg.max_steps, self.reclaim_idle_ms)
+            if hold is not None:
+                self._holds[hold.hold_id] = hold
+                return hold
+            try:  # groups in flight will finish and release their unused steps, or the run stops
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            except asyncio.TimeoutError:
+                delay = min(1.0, delay * 2)
+        return None
+
+    async def _release(self, hold: Hold | None) -> None:
+        if hold is not None:
+            self._holds.pop(hold.hold_id, None)
+            try:
+                await hold.release()
+            except Exception as exc:  # Redis gone for good: the hold lapses at its deadline instead
+                log.warning("budget hold release failed (%s); it lapses in %d ms", exc, self.reclaim_idle_ms)
+
+    async def _serve(self, entry_id: bytes, task: Task, hold: Hold | None = None) -> None:
+        try:
+            await self._serve_group(entry_id, task, hold)
+        finally:
+            await self._release(hold)
+
+    async def _serve_group(self, entry_id: bytes, task: Task, hold: Hold | None) -> None:
         done_key = key(self.prefix, f"groupdone:{entry_id.decode()}")
         if await with_retry(lambda: self.client.exists(done_key), "group-done check"):
             await self.consumer.ack([entry_id])  # pushed by a worker that died before acking
             return
-        trajs = await self.run_group(task, group_id=f"{task.task_id}:{entry_id.decode()}")
+        trajs = await self.run_group(task, group_id=f"{task.task_id}:{entry_id.decode()}", hold=hold)
         await self._push(trajs, done_key)
         await self.stats.record_group(task.task_id, [t.total_reward for t in trajs])
         if self.buffer is not None and self.env_kind == EnvKind.SYNTHETIC:
@@ -249,24 +287,31 @@ class RolloutWorker:
                     await self.client.xclaim(self.task_stream, WORKERS_GROUP, self.consumer.consumer, 0, ids, justid=True)
                 except Exception as exc:  # a missed renewal only risks a duplicate run, never a loss
                     log.warning("lease renewal failed: %s", exc)
+            if self._holds and self.budget is not None:
+                try:
+                    await self.budget.renew(list(self._holds), self.reclaim_idle_ms)
+                except Exception as exc:  # a lapsed hold ends its episodes early (truncated), loses nothing
+                    log.warning("budget hold renewal failed: %s", exc)
 
     # ----- one group, one episode -----
-    async def run_group(self, task: Task, group_id: str | None = None) -> list[Trajectory]:
+    async def run_group(self, task: Task, group_id: str | None = None, hold: Hold | None = None) -> list[Trajectory]:
+        """G episodes of `task`; real steps come from `hold` (the group's reservation) or else the budget itself."""
         group_id = group_id or new_id()
-        return list(await asyncio.gather(*(self._slot_episode(task, group_id) for _ in range(self.cfg.group_size))))
+        return list(await asyncio.gather(*(self._slot_episode(task, group_id, hold)
+                                           for _ in range(self.cfg.group_size))))
 
-    async def _slot_episode(self, task: Task, group_id: str) -> Trajectory:
+    async def _slot_episode(self, task: Task, group_id: str, hold: Hold | None) -> Trajectory:
         async with self._episode_slots:
-            return await self.play(task, group_id)
+            return await self.play(task, group_id, hold)
 
-    async def play(self, task: Task, group_id: str) -> Trajectory:
+    async def play(self, task: Task, group_id: str, hold: Hold | None = None) -> Trajectory:
         """One episode in a fresh environment (actors/episode.py), closed afterwards."""
         env = self.env_factory()
         trajectory_id = new_id()  # also the policy engine's affinity key: one episode stays on one server
         try:
             traj = await run_episode(env, task, functools.partial(self.policy.act, affinity_key=trajectory_id),
                                      self.cfg.max_steps, env_kind=self.env_kind, worker_id=self.worker_id,
-                                     group_id=group_id, trajectory_id=trajectory_id, budget=self.budget)
+                                     group_id=group_id, trajectory_id=trajectory_id, budget=hold or self.budget)
         finally:
             try:
                 await _maybe_await(env.close())

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from actors.rollout_worker import RolloutWorker
-from infra.budget import run_counts
+from infra.budget import StepBudget, run_counts
 from infra import metrics
 from infra.config import ActorsConfig
 from actors.envs.base import AbstractState
@@ -308,4 +308,31 @@ async def test_a_worker_waits_while_the_learner_is_behind_and_resumes_when_it_dr
     await asyncio.wait_for(w.stop(drain=True), 1.0)  # ... until stop()
     await asyncio.wait_for(run, 1.0)
     assert metrics.ROLLOUT_BACKPRESSURE_WAITING._value.get() == 0
+    await client.aclose()
+
+
+async def test_real_groups_start_only_when_they_can_finish_so_a_spent_budget_cuts_at_most_one(redis_url):
+    """Three real groups in flight on a 30-step budget (worst case 3 x 4 = 12 each): every group is
+    reserved before it starts, so a spent budget cuts no group short except the one that got the
+    remainder; without holds every group in flight at the end was cut (truncated before max_steps,
+    reward 0, read by GRPO as a failure). The steps pushed are exactly the budget."""
+    client = connect(redis_url)
+    tasks = [Task(task_id=f"t{i}", instruction="climb", game_file="ladder.z8") for i in range(30)]
+    await StreamProducer(client, tasks_stream(PREFIX)).add([encode(t) for t in tasks])
+    c = ActorsConfig(group_size=3, concurrent_episodes=9, max_steps=4, env_kind="real", real_transitions=30)
+    worker = RolloutWorker("w", client, PREFIX, ScriptedPolicy(p_first=0.3, delay_s=0.01),
+                           lambda: LadderEnv(3, 0.01), c, reclaim_idle_ms=300)
+    budget = StepBudget(client, PREFIX, 30)
+    run = asyncio.create_task(worker.run())
+    for _ in range(600):
+        if await budget.spent() and not worker._inflight:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(worker.stop(drain=True), 10)
+    await asyncio.wait_for(run, 10)
+    trajs = await read_trajs(client)
+    cut = {t.group_id for t in trajs if t.status == Status.TRUNCATED and len(t.steps) < 4}
+    assert await budget.used() == 30 and sum(len(t.steps) for t in trajs) == 30
+    assert len(trajs) % 3 == 0 and len(cut) <= 1
+    assert await client.hlen(budget.key + ":holds") == 0  # every hold released
     await client.aclose()
