@@ -146,7 +146,12 @@ class RolloutWorker:
                 hold = await self._hold_group()
                 if hold is None and self.budget is not None and self.budget.limit:  # stop() came while it waited
                     return
-                deliveries = [d for d in await self.consumer.read(count=1, block_ms=200) if d.entry_id not in self._inflight]
+                try:
+                    deliveries = [d for d in await self.consumer.read(count=1, block_ms=200)
+                                  if d.entry_id not in self._inflight]
+                except BaseException:  # a hold left renewed here would keep its steps from the budget for good
+                    await self._release(hold)
+                    raise
                 if not deliveries or self._stopping.is_set() or (
                         self.env_kind == EnvKind.REAL and not deliveries[0].message.game_file):
                     await self._release(hold)
