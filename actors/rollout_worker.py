@@ -109,6 +109,7 @@ class RolloutWorker:
                                        max_deliveries=max_deliveries)
         # Real rollouts draw from the run's exact budget of real transitions (infra/budget.py).
         self.budget = StepBudget(client, prefix, cfg.real_transitions) if self.env_kind == EnvKind.REAL else None
+        self.holds_budget = self.budget is not None and self.budget.limit > 0  # groups reserve their steps first
         self._episode_slots = asyncio.Semaphore(cfg.concurrent_episodes)
         self._read_lock = asyncio.Lock()
         self._inflight: dict[bytes, asyncio.Task] = {}
@@ -144,33 +145,31 @@ class RolloutWorker:
                 if self._stopping.is_set():
                     return
                 hold = await self._hold_group()
-                if hold is None and self.budget is not None and self.budget.limit:  # stop() came while it waited
+                if hold is None and self.holds_budget:  # stop() came while it waited for room
                     return
+                job = None
                 try:
                     deliveries = [d for d in await self.consumer.read(count=1, block_ms=200)
                                   if d.entry_id not in self._inflight]
-                except BaseException:  # a hold left renewed here would keep its steps from the budget for good
-                    await self._release(hold)
-                    raise
-                if not deliveries or self._stopping.is_set() or (
-                        self.env_kind == EnvKind.REAL and not deliveries[0].message.game_file):
-                    await self._release(hold)
-                if deliveries and self._stopping.is_set():  # stop() came while we were reading
-                    await self.hand_back([x.entry_id for x in deliveries])
-                    return
-                if not deliveries:
-                    continue
-                d = deliveries[0]
-                if self.env_kind == EnvKind.REAL and not d.message.game_file:
-                    # A synthetic-only task (a curriculum variant still queued when sim-to-real switched
-                    # to the real env): no real environment can play it. Set aside with its reason.
-                    await self.consumer.dead_letter([d], f"NoRealCounterpart: task {d.message.task_id} has no "
-                                                         "game file; only the synthetic environment can play it",
-                                                    expected=True)
-                    self.tasks_dead_lettered += 1
-                    continue
-                job = asyncio.create_task(self._serve(d.entry_id, d.message, hold))
-                self._inflight[d.entry_id] = job
+                    if deliveries and self._stopping.is_set():  # stop() came while we were reading
+                        await self.hand_back([x.entry_id for x in deliveries])
+                        return
+                    if not deliveries:
+                        continue
+                    d = deliveries[0]
+                    if self.env_kind == EnvKind.REAL and not d.message.game_file:
+                        # A synthetic-only task (a curriculum variant still queued when sim-to-real switched
+                        # to the real env): no real environment can play it. Set aside with its reason.
+                        await self.consumer.dead_letter([d], f"NoRealCounterpart: task {d.message.task_id} has no "
+                                                             "game file; only the synthetic environment can play it",
+                                                        expected=True)
+                        self.tasks_dead_lettered += 1
+                        continue
+                    job = asyncio.create_task(self._serve(d.entry_id, d.message, hold))
+                    self._inflight[d.entry_id] = job
+                finally:
+                    if job is None:  # no group started: its hold goes back (one kept renewed would never lapse)
+                        await self._release(hold)
             try:
                 await asyncio.shield(job)
             except asyncio.CancelledError:
@@ -222,7 +221,7 @@ class RolloutWorker:
     async def _hold_group(self) -> Hold | None:
         """Real rollouts on a limited budget: reserve the next group's worst case (G x max_steps) before
         taking a task, waiting while the budget has no room (infra/budget.py); None at stop() or without a budget."""
-        if self.budget is None or not self.budget.limit:
+        if not self.holds_budget:
             return None
         delay = 0.05
         while not self._stopping.is_set():
@@ -292,7 +291,7 @@ class RolloutWorker:
                     await self.client.xclaim(self.task_stream, WORKERS_GROUP, self.consumer.consumer, 0, ids, justid=True)
                 except Exception as exc:  # a missed renewal only risks a duplicate run, never a loss
                     log.warning("lease renewal failed: %s", exc)
-            if self._holds and self.budget is not None:
+            if self._holds:
                 try:
                     await self.budget.renew(list(self._holds), self.reclaim_idle_ms)
                 except Exception as exc:  # a lapsed hold ends its episodes early (truncated), loses nothing

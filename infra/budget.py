@@ -41,9 +41,12 @@ def budget_key(prefix: str, phase: str = "real") -> str:
 # KEYS: the step count, the holds (hash: hold id -> steps left), their deadlines (zset, ms).
 # ARGV: hold id, steps wanted, limit, ttl ms. Returns the steps granted (0: none). Lapsed holds
 # are dropped first; a hold is granted in full, or, with no other hold alive, the remainder.
-HOLD_SCRIPT = """
+NOW_MS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+HOLD_SCRIPT = NOW_MS + """
 for _, g in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)) do
   redis.call('HDEL', KEYS[2], g)
   redis.call('ZREM', KEYS[3], g)
@@ -75,9 +78,8 @@ return 1
 """
 
 # KEYS: the holds' deadlines. ARGV: ttl ms, then hold ids. Pushes the live ones' deadlines on.
-RENEW_SCRIPT = """
-local t = redis.call('TIME')
-local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+RENEW_SCRIPT = NOW_MS + """
+local deadline = now + tonumber(ARGV[1])
 local n = 0
 for i = 2, #ARGV do
   if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
@@ -109,6 +111,10 @@ class StepBudget:
         if limit < 0:
             raise ValueError(f"a step budget is a count >= 0, got {limit}")
         self.client, self.key, self.limit = client, budget_key(prefix, phase), limit
+        self.holds_key, self.deadlines_key = self.key + ":holds", self.key + ":deadlines"
+        # EVALSHA, the script text sent again only after a Redis restart: a take runs before every real step
+        self._hold, self._take = client.register_script(HOLD_SCRIPT), client.register_script(TAKE_SCRIPT)
+        self._renew = client.register_script(RENEW_SCRIPT)
 
     async def hold(self, hold_id: str, steps: int, ttl_ms: int) -> "Hold | None":
         """Reserve up to `steps` for one group (module docstring); None when no group fits now.
@@ -117,17 +123,17 @@ class StepBudget:
             raise ValueError(f"a hold is for >= 1 step, got {steps}")
         if not self.limit:
             return Hold(self, hold_id, steps)
-        keys = [self.key, self.key + ":holds", self.key + ":deadlines"]
-        granted = await with_retry(lambda: self.client.eval(HOLD_SCRIPT, 3, *keys, hold_id, steps, self.limit,
-                                                            ttl_ms), f"hold {steps} of {self.key}")
+        granted = await with_retry(lambda: self._hold(keys=[self.key, self.holds_key, self.deadlines_key],
+                                                      args=[hold_id, steps, self.limit, ttl_ms]),
+                                   f"hold {steps} of {self.key}")
         return Hold(self, hold_id, int(granted)) if int(granted) > 0 else None
 
     async def renew(self, hold_ids: list[str], ttl_ms: int) -> int:
         """Push the deadlines of live holds `ttl_ms` on; returns how many were still live."""
         if not self.limit or not hold_ids:
             return 0
-        return int(await with_retry(lambda: self.client.eval(RENEW_SCRIPT, 1, self.key + ":deadlines", ttl_ms,
-                                                             *hold_ids), f"renew holds on {self.key}"))
+        return int(await with_retry(lambda: self._renew(keys=[self.deadlines_key], args=[ttl_ms, *hold_ids]),
+                                    f"renew holds on {self.key}"))
 
     async def take(self) -> bool:
         """Reserve one step; False once the budget is spent (with no limit, the step is only counted)."""
@@ -165,7 +171,7 @@ class Hold:
         b = self.budget
         if not b.limit:
             return await b.take()
-        ok = await with_retry(lambda: b.client.eval(TAKE_SCRIPT, 2, b.key, b.key + ":holds", self.hold_id, b.limit),
+        ok = await with_retry(lambda: b._take(keys=[b.key, b.holds_key], args=[self.hold_id, b.limit]),
                               f"take from hold {self.hold_id}")
         return bool(int(ok))
 
@@ -177,8 +183,8 @@ class Hold:
 
         async def op() -> None:
             pipe = b.client.pipeline(transaction=True)
-            pipe.hdel(b.key + ":holds", self.hold_id)
-            pipe.zrem(b.key + ":deadlines", self.hold_id)
+            pipe.hdel(b.holds_key, self.hold_id)
+            pipe.zrem(b.deadlines_key, self.hold_id)
             await pipe.execute()
 
         await with_retry(op, f"release hold {self.hold_id}")
