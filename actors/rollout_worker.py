@@ -109,7 +109,6 @@ class RolloutWorker:
                                        max_deliveries=max_deliveries)
         # Real rollouts draw from the run's exact budget of real transitions (infra/budget.py).
         self.budget = StepBudget(client, prefix, cfg.real_transitions) if self.env_kind == EnvKind.REAL else None
-        self.holds_budget = self.budget is not None and self.budget.limit > 0  # groups reserve their steps first
         self._episode_slots = asyncio.Semaphore(cfg.concurrent_episodes)
         self._read_lock = asyncio.Lock()
         self._inflight: dict[bytes, asyncio.Task] = {}
@@ -145,7 +144,7 @@ class RolloutWorker:
                 if self._stopping.is_set():
                     return
                 hold = await self._hold_group()
-                if hold is None and self.holds_budget:  # stop() came while it waited for room
+                if hold is None and self.budget is not None:  # stop() came while it waited for room
                     return
                 job = None
                 try:
@@ -219,9 +218,10 @@ class RolloutWorker:
                 metrics.ROLLOUT_BACKPRESSURE_WAITING.dec()
 
     async def _hold_group(self) -> Hold | None:
-        """Real rollouts on a limited budget: reserve the next group's worst case (G x max_steps) before
-        taking a task, waiting while the budget has no room (infra/budget.py); None at stop() or without a budget."""
-        if not self.holds_budget:
+        """Real rollouts: reserve the next group's worst case (G x max_steps) before taking a task, waiting
+        while the budget has no room (infra/budget.py; on an unlimited budget a hold only counts steps);
+        None at stop() or without a budget (synthetic rollouts)."""
+        if self.budget is None:
             return None
         delay = 0.05
         while not self._stopping.is_set():
