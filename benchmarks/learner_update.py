@@ -13,9 +13,11 @@ adds a LoRA run of the packed batch.
     python benchmarks/learner_update.py [--groups 1] [--group-size 2] [--steps 4] [--repeats 1] [--lora-rank 0]
         [--device cuda --dtype bfloat16]
 
-`--score N` times instead the score-mode forward+backward of N distinct steps (the policy
-scores each candidate action's text; learner/policy_model.py's `scored_logprobs`), one
-forward pair per step against all steps batched (the GPU's default), and checks they agree.
+`--score N` times instead the score-mode forward+backward of N steps of real TextWorld games
+(the policy scores each candidate action's text; learner/policy_model.py's `scored_logprobs`),
+groups of 4 episodes of 3 steps in micro-batches of `--micro-batch` steps as the learner runs
+them, in each layout (learner.score_layout): a forward pair per prompt, the padded batch (the
+GPU's default) and the token tree (the CPU's), and checks they agree.
 
 On a GPU (`--device cuda --dtype bfloat16`: the learner's mixed precision, fp32 master
 weights under bf16 autocast, learner/precision.py) `--model` may name any Hugging Face
@@ -31,13 +33,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import random
 import sys
+import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
 
+from actors.envs.textworld_env import TextWorldEnv, generate_game, tasks_from_games  # noqa: E402
 from actors.policy import PolicyDecision, choice_logprobs, choice_turn, pack_prompts, packed_forward, score_turn  # noqa: E402
 from infra.config import LearnerConfig  # noqa: E402
 from infra.engine.models import load_model  # noqa: E402
@@ -126,29 +131,66 @@ def time_bare(model, tok, cfg: LearnerConfig, units, repeats: int) -> tuple[floa
     return (time.perf_counter() - t0) / repeats, tokens
 
 
-def time_scored(model, tok, precision: Precision, n: int, repeats: int) -> None:
-    """Score mode's forward+backward over n distinct steps, per step vs batched, in one run."""
-    turns = [score_turn(tok, Task(f"t{i}", f"find the {ROOMS[i % len(ROOMS)].lower()} key and open the chest"),
-                        f"Room: {ROOMS[i % len(ROOMS)]}. Step {i}. A chest, a key and {i % 5} doors.\nInventory: nothing",
-                        CANDS, history=[]) for i in range(n)]
-    prompts, cands = [t.prompt for t in turns], [t.continuations for t in turns]
-    chosen = [i % len(CANDS) for i in range(n)]
+def textworld_steps(tok, groups: int, group_size: int, steps: int, games_dir: str, seed: int = 0) -> list[tuple]:
+    """Score-mode steps of real TextWorld games (family 'custom', made with tw-make once into
+    `games_dir`), in the learner's row order: per game a group of `group_size` episodes of at most
+    `steps` steps, each following the expert 70 % of the time and else a random candidate (about an
+    SFT policy's agreement). (prompt, candidates' token ids, chosen index) per step."""
+    rng = random.Random(seed)
+    paths = [generate_game("custom", s, games_dir) for s in range(groups)]
+    env = TextWorldEnv(max_steps=steps)
+    out = []
+    try:
+        for task in tasks_from_games(paths, [("custom", s) for s in range(groups)]):
+            for _ in range(group_size):
+                state, info = env.reset_sync(task)
+                history: list[str] = []
+                for _ in range(steps):
+                    cands, expert = info["candidates"], info["expert_action"]
+                    act = expert if expert in cands and rng.random() < 0.7 else rng.choice(cands)
+                    turn = score_turn(tok, task, state, cands, history=history)
+                    out.append((turn.prompt, turn.continuations, cands.index(act)))
+                    history.append(act)
+                    state, _, done, info = env.step_sync(act)
+                    if done:
+                        break
+    finally:
+        env.close_sync()
+    return out
+
+
+def time_scored(model, tok, precision: Precision, n: int, repeats: int, micro_batch: int, games_dir: str) -> None:
+    """Score mode's forward+backward over n real TextWorld steps (groups of 4 episodes of 3 steps),
+    in micro-batches of `micro_batch` steps as the learner runs them, per layout in one run."""
+    steps = textworld_steps(tok, max(1, -(-n // 12)), 4, 3, games_dir)[:n]
+    chunks = [steps[i:i + micro_batch] for i in range(0, len(steps), micro_batch)]
     model.to(precision.device).train()
-    seconds, got = {}, {}
-    for batched in (False, True, False, True):  # each twice: the first of each warms up
-        sync(precision.device)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            with precision.autocast():
-                lp, _, tokens = scored_logprobs(model, tok, prompts, cands, chosen, batched=batched)
-            lp.float().sum().backward()
-            model.zero_grad(set_to_none=True)
-        sync(precision.device)
-        seconds[batched], got[batched] = (time.perf_counter() - t0) / repeats, lp.detach().float()
-    gap = float((got[True] - got[False]).abs().max())
-    print(f"score mode, {n} steps x {len(CANDS)} candidates ({tokens} tokens): per step {seconds[False]:6.2f} s, "
-          f"batched {seconds[True]:6.2f} s per forward+backward = {seconds[False] / seconds[True]:.2f}x; "
-          f"largest log-prob gap {gap:.1e}  ({load()})")
+    layouts = ("per-prompt", "padded", "tree")
+    seconds = {k: [] for k in layouts}
+    tokens, got = {}, {}
+    for _ in range(repeats + 1):  # the first round warms up
+        for layout in layouts:
+            sync(precision.device)
+            t0 = time.perf_counter()
+            tokens[layout], lps = 0, []
+            for chunk in chunks:
+                with precision.autocast():
+                    lp, _, k = scored_logprobs(model, tok, [c[0] for c in chunk], [c[1] for c in chunk],
+                                               [c[2] for c in chunk], layout=layout)
+                lp.float().sum().backward()
+                model.zero_grad(set_to_none=True)
+                tokens[layout] += k
+                lps.append(lp.detach().float())
+            sync(precision.device)
+            seconds[layout].append(time.perf_counter() - t0)
+            got[layout] = torch.cat(lps)
+    best = {k: min(v[1:]) for k, v in seconds.items()}
+    gap = max(float((got[k] - got["per-prompt"]).abs().max()) for k in layouts)
+    print(f"score mode, {len(steps)} real TextWorld steps in micro-batches of {micro_batch}, forward+backward "
+          f"(best of {repeats}); largest log-prob gap {gap:.1e}")
+    for layout in layouts:
+        print(f"{layout:>12}: {best[layout]:6.1f} s, {tokens[layout]:6d} tokens run; "
+              f"{best['padded'] / best[layout]:.2f}x the padded batch's speed  ({load()})")
 
 
 def main() -> None:
@@ -163,7 +205,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="the learner's torch device: cpu, cuda, cuda:N")
     ap.add_argument("--dtype", default="float32", help="float32, or bfloat16 (mixed precision, learner/precision.py)")
     ap.add_argument("--score", type=int, default=0, metavar="N",
-                    help="time score mode's forward+backward over N steps, per step vs batched, and stop")
+                    help="time score mode's forward+backward over N real TextWorld steps per layout "
+                         "(per-prompt, padded, tree), and stop")
+    ap.add_argument("--micro-batch", type=int, default=8, help="--score: steps per forward+backward (learner.micro_batch)")
+    ap.add_argument("--games-dir", default=os.path.join(tempfile.gettempdir(), "dreamgym-bench-games"),
+                    help="--score: where the TextWorld games are made (once) and read")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -173,7 +219,7 @@ def main() -> None:
     if args.score:
         precision = Precision.checked(args.device, args.dtype, "--device", "--dtype")
         print(f"torch threads {torch.get_num_threads()}, {where}")
-        time_scored(model, tok, precision, args.score, args.repeats)
+        time_scored(model, tok, precision, args.score, args.repeats, args.micro_batch, args.games_dir)
         return
     n_steps = args.groups * args.group_size * args.steps
     print(f"{args.groups} group(s) x {args.group_size} trajectories x {args.steps} steps = {n_steps} steps, "

@@ -32,7 +32,8 @@ from torch import nn
 
 from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
 from infra.config import LearnerConfig
-from infra.engine.scoring import batched_continuation_logprobs, continuation_logprobs, mean_logprobs
+from infra.engine.scoring import (batched_continuation_logprobs, continuation_logprobs, mean_logprobs,
+                                  tree_continuation_logprobs, trie_size)
 from infra.engine.models import load_model
 from learner.precision import Precision
 
@@ -40,26 +41,32 @@ log = logging.getLogger(__name__)
 
 
 def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidates: Sequence[Sequence[Sequence[int]]],
-                    chosen: Sequence[int], want_hidden: bool = False, batched: bool = True):
+                    chosen: Sequence[int], want_hidden: bool = False, layout: str = "padded"):
     """The learner-side twin of score mode: (log-prob of each chosen candidate [B], differentiable;
     each prompt's last hidden state [B, H] or None; tokens run through the model). Identical prompts (a GRPO group's first step)
     with the same candidates run once.
 
-    `batched` runs every distinct prompt in two forwards, as the engine's scoring queue does on a
-    GPU (infra/engine/scoring.py); False, a forward pair per prompt. On an H200 the per-prompt
-    pairs made a 32-trajectory update take 30 s, host-bound; on the 2-core CPU batched
-    forward+backward was 1.41x (4 steps) and 1.13x (12 steps) the per-prompt speed
-    (`benchmarks/learner_update.py --score N`)."""
+    `layout` (infra/engine/scoring.py): 'padded' runs every distinct prompt in two forwards, as the
+    engine's scoring queue does on a GPU; 'tree' in one forward over the trie of all their tokens
+    (shared tokens once, no padding: `tokens` counts the trie); 'per-prompt' a forward pair per
+    prompt. On an H200 the per-prompt pairs made a 32-trajectory update take 30 s, host-bound; on the
+    2-core CPU padded forward+backward was 1.41x (4 steps) and 1.13x (12 steps) the per-prompt speed,
+    and the tree 1.5x the padded one on real TextWorld steps (`benchmarks/learner_update.py --score N`)."""
     keys: dict[tuple, int] = {}
     for prompt, cands in zip(prompts, candidates):
         keys.setdefault((prompt, tuple(tuple(c) for c in cands)), len(keys))
     items = [(tokenizer(prompt, add_special_tokens=False)["input_ids"], [list(c) for c in cands]) for prompt, cands in keys]
     tokens = sum(len(p) + sum(len(c) for c in cands) for p, cands in items)
-    if batched:
-        per_item, hid = batched_continuation_logprobs(model, items, want_hidden)
-        found = [(lps, hid[i] if want_hidden else None) for i, lps in enumerate(per_item)]
-    else:
+    if layout == "per-prompt":
         found = [continuation_logprobs(model, prefix, cands, want_hidden) for prefix, cands in items]
+    elif layout in ("padded", "tree"):
+        score = tree_continuation_logprobs if layout == "tree" else batched_continuation_logprobs
+        per_item, hid = score(model, items, want_hidden)
+        found = [(lps, hid[i] if want_hidden else None) for i, lps in enumerate(per_item)]
+        if layout == "tree":
+            tokens = trie_size(items)
+    else:
+        raise ValueError(f"score layout must be 'padded', 'tree' or 'per-prompt', got {layout!r}")
     dists = [torch.log_softmax(mean_logprobs(lps), dim=-1) for lps, _ in found]
     rows, hidden = [], []
     for prompt, cands, k in zip(prompts, candidates, chosen):
@@ -77,9 +84,11 @@ def is_scored(choice_token_ids: Sequence) -> bool:
 class PolicyModel(nn.Module):
     def __init__(self, model_name: str = "smollm2", lora_rank: int = 0, value_head: bool = False,
                  gradient_checkpointing: bool = False, model=None, tokenizer=None,
-                 precision: Precision | None = None):
+                 precision: Precision | None = None, score_layout: str = "auto"):
         super().__init__()
         precision = precision or Precision()
+        # Score mode's layout (infra/config.py LearnerConfig.score_layout): the trie on the CPU.
+        self.score_layout = ("tree" if precision.device == "cpu" else "padded") if score_layout == "auto" else score_layout
         if model is None:
             model, tokenizer = load_model(model_name, "float32", precision.device)  # fp32 master weights
         self.precision = precision
@@ -111,7 +120,8 @@ class PolicyModel(nn.Module):
     def for_learner(cls, cfg: LearnerConfig, model_name: str, precision: Precision) -> PolicyModel:
         """The RL learner's policy as `cfg` asks (every FSDP rank builds its own so, learner/fsdp.py)."""
         policy = cls(model_name, cfg.lora_rank, value_head=cfg.algo == "ppo",
-                     gradient_checkpointing=cfg.gradient_checkpointing, precision=precision)
+                     gradient_checkpointing=cfg.gradient_checkpointing, precision=precision,
+                     score_layout=cfg.score_layout)
         if cfg.kl_coef > 0:
             policy.snapshot_reference()
         return policy
@@ -133,7 +143,8 @@ class PolicyModel(nn.Module):
         if is_scored(choice_token_ids):
             with self.precision.autocast():
                 logp, hidden, self.last_tokens = scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids,
-                                                                 chosen_ids, want_hidden=self.value_head is not None)
+                                                                 chosen_ids, want_hidden=self.value_head is not None,
+                                                                 layout=self.score_layout)
             values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
             return logp, values
         logits, hidden, self.last_tokens = self._choice_logits(self.lm, prompts, chosen_ids,
@@ -193,10 +204,12 @@ class PolicyModel(nn.Module):
         if is_scored(choice_token_ids):
             if self.lora_rank > 0:
                 with self.lm.disable_adapter(), self.precision.autocast():
-                    return scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids, chosen_ids)[0]
+                    return scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids, chosen_ids,
+                                           layout=self.score_layout)[0]
             self.snapshot_reference()
             with self.precision.autocast():
-                return scored_logprobs(self._ref, self.tokenizer, prompts, choice_token_ids, chosen_ids)[0]
+                return scored_logprobs(self._ref, self.tokenizer, prompts, choice_token_ids, chosen_ids,
+                                       layout=self.score_layout)[0]
         if self.lora_rank > 0:
             with self.lm.disable_adapter():
                 logits, _, _ = self._choice_logits(self.lm, prompts, chosen_ids)

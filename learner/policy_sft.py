@@ -149,7 +149,7 @@ def warm_start(cfg: Any, offline: Iterable[Trajectory], out_dir: str | Path,
     if not examples:
         raise ValueError("warm start: no expert transitions in the offline data (collect with policies: [expert, ...])")
     policy = PolicyModel(cfg.engines.model, lora_rank=lc.lora_rank, gradient_checkpointing=lc.gradient_checkpointing,
-                         precision=precision)
+                         precision=precision, score_layout=lc.score_layout)
     losses = train_on_examples(policy, examples, lc.warm_start_steps, lc.warm_start_lr, lc.warm_start_batch,
                                cfg.infra.seed, lc.max_grad_norm, on_step)
     out = Path(out_dir)

@@ -1,7 +1,9 @@
-"""The engine's scoring queue (infra/engine/scorer.py) and the batched scoring it runs.
+"""The engine's scoring queue (infra/engine/scorer.py) and the batched scoring it runs, and the
+learner's layouts of the same computation (a padded batch, a token tree).
 
 On the tiny random Llama with SmolLM2's tokenizer (fp32, CPU): many (prefix, continuations)
-items in two forwards give each item's `continuation_logprobs`; concurrent requests share
+items in two forwards, or in one forward over their token trie, give each item's
+`continuation_logprobs` (and the learner's gradients); concurrent requests share
 batches when batching is on and run alone when it is off; a request that breaks its batch
 fails alone; the CPU's default is off and a GPU's is on.
 """
@@ -18,7 +20,8 @@ from infra.config import ConfigError, load_config
 from infra.engine.batcher import Batcher
 from infra.engine.models import load_model
 from infra.engine.scorer import GPU_BATCH_TOKENS, Scorer, batch_budget
-from infra.engine.scoring import batched_continuation_logprobs, continuation_logprobs
+from infra.engine.scoring import (batched_continuation_logprobs, continuation_logprobs, tree_continuation_logprobs,
+                                  trie_size)
 
 
 @pytest.fixture(scope="module")
@@ -133,22 +136,68 @@ def test_batching_is_on_for_a_gpu_and_off_for_the_cpu_by_default(tiny):
         b.stop()
 
 
-def test_the_learners_batched_scoring_equals_per_prompt_with_its_gradients(tiny):
-    """learner/policy_model.py's `scored_logprobs` batches its prompts: its log-probs, hidden
-    states and gradients equal the per-prompt path's."""
+def test_the_token_tree_scores_as_each_item_alone(tiny):
+    """`tree_continuation_logprobs`: items whose prefixes share their first 40 tokens, continuations
+    that share their first tokens, a repeated item and one-token continuations, in one forward over
+    their trie: every log-prob is the unbatched one, and the trie runs each shared token once."""
+    model, _ = tiny
+    rng = random.Random(3)
+    head = [rng.randrange(10, 40000) for _ in range(40)]
+    items = [(head + [rng.randrange(10, 40000) for _ in range(rng.randint(1, 12))],
+              [[7, 8, rng.randrange(10, 40000)], [7, 9], [rng.randrange(10, 40000)]]) for _ in range(4)]
+    items += [items[1], ([5, 6, 7], [[8], [9, 10]])] + _items(1, 3)
+    with torch.no_grad():
+        got, hidden = tree_continuation_logprobs(model, items, want_hidden=True)
+        _, padded_hidden = batched_continuation_logprobs(model, items, want_hidden=True)
+        for (prefix, conts), mine in zip(items, got):
+            ref, _ = continuation_logprobs(model, prefix, conts)
+            assert len(mine) == len(conts)
+            for a, b in zip(ref, mine):
+                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a, b)
+    assert torch.allclose(hidden, padded_hidden, atol=1e-5)
+    every = sum(len(p) + sum(len(c) - 1 for c in conts) for p, conts in items)
+    assert trie_size(items) <= every - 3 * 40 - len(items[1][0]) - 2  # the head 3 more times, the repeat, a shared "7"
+    with pytest.raises(ValueError, match="at least one token"):
+        tree_continuation_logprobs(model, [([1, 2], [[]])])
+
+
+@pytest.mark.parametrize("layout", ["padded", "tree"])
+def test_the_learners_scoring_equals_per_prompt_with_its_gradients(tiny, layout):
+    """learner/policy_model.py's `scored_logprobs` runs its prompts as a padded batch or as a token
+    tree: its log-probs, hidden states and gradients equal the per-prompt path's. The tree counts
+    the tokens it ran: the two kitchen prompts' common start once."""
     from learner.policy_model import scored_logprobs
 
     model, tok = tiny
-    prompts = ["Room: kitchen. Take the coin.", "Room: hall, a long corridor with doors.", "Room: kitchen. Take the coin."]
-    cands = [[[101, 102], [103], [104, 105, 106]], [[201], [202, 203]], [[101, 102], [103], [104, 105, 106]]]
+    prompts = ["Room: kitchen. Take the coin.", "Room: hall, a long corridor with doors.", "Room: kitchen. Take the coin.",
+               "Room: kitchen. Take the key."]
+    cands = [[[101, 102], [103], [104, 105, 106]], [[201], [202, 203]], [[101, 102], [103], [104, 105, 106]],
+             [[101, 102], [103]]]
     results = {}
-    for batched in (False, True):
+    for mode in ("per-prompt", layout):
         model.zero_grad(set_to_none=True)
-        lp, hidden, tokens = scored_logprobs(model, tok, prompts, cands, [2, 1, 0], want_hidden=True, batched=batched)
+        lp, hidden, tokens = scored_logprobs(model, tok, prompts, cands, [2, 1, 0, 1], want_hidden=True, layout=mode)
         (lp.sum() + hidden.sum()).backward()
-        results[batched] = (lp.detach(), hidden.detach(), tokens, model.model.embed_tokens.weight.grad.clone())
-    (a, ha, ta, ga), (b, hb, tb, gb) = results[False], results[True]
-    assert ta == tb and a.shape == (3,) and hidden.shape[0] == 3
+        results[mode] = (lp.detach(), hidden.detach(), tokens, model.model.embed_tokens.weight.grad.clone())
+    (a, ha, ta, ga), (b, hb, tb, gb) = results["per-prompt"], results[layout]
+    assert a.shape == (4,) and hidden.shape[0] == 4
+    assert (tb < ta) if layout == "tree" else (tb == ta)
     assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ha, hb, atol=1e-5)
     assert torch.allclose(ga, gb, atol=1e-5)
+    with pytest.raises(ValueError, match="score layout"):
+        scored_logprobs(model, tok, prompts, cands, [2, 1, 0, 1], layout="packed")
     model.zero_grad(set_to_none=True)
+
+
+def test_the_learner_takes_the_tree_on_the_cpu_unless_told(tiny):
+    """learner.score_layout: 'auto' is the tree on the CPU (the GPU's 'padded' needs no GPU to
+    name), a setting overrides it, and anything else is a config error naming the key."""
+    from learner.policy_model import PolicyModel
+
+    model, tok = tiny
+    assert PolicyModel(model=model, tokenizer=tok).score_layout == "tree"
+    assert PolicyModel(model=model, tokenizer=tok, score_layout="padded").score_layout == "padded"
+    assert load_config(None, ["learner.score_layout=padded"]).learner.score_layout == "padded"
+    assert load_config(None).learner.score_layout == "auto"
+    with pytest.raises(ConfigError, match="score_layout"):
+        load_config(None, ["learner.score_layout=packed"])
