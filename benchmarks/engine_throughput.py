@@ -27,7 +27,10 @@ measured within this run, never across runs):
    requests (a distinct ~250-token prompt each, 8 candidate actions of 2-6 tokens, as a
    policy in score mode sends per episode step), each answered alone on a pool thread (the
    engine's path before the scoring queue) against the engine's batched scoring queue
-   (infra/engine/scorer.py), with the largest log-prob gap between the two;
+   (infra/engine/scorer.py) as the device batches by default (padded rows on a GPU, one token
+   tree on a CPU), with the largest log-prob gap between the two; once with distinct
+   prompts, once in groups of 4 requests sharing a task (half of each the very prompt), as a
+   GRPO group's episodes send them;
 9. with `--compare-url`, any OpenAI-compatible `/v1/completions` server (llama.cpp's)
    at the same concurrency, prompts and token counts;
 10. speculative decoding (`speculative`): Mexp's own workload, real TextWorld steps from
@@ -278,12 +281,17 @@ def sampler_ms(rows: int, vocab: int, temperature: float = 0.7, repeats: int = 3
     return median(multinomial), median(ours)
 
 
-def scoring_workload(tok, n: int, candidates: int = 8) -> list[tuple[list[list[int]], int]]:
-    """n policy-shaped scoring requests: (prompts = a distinct prefix + each candidate, start = prefix length)."""
+def scoring_workload(tok, n: int, candidates: int = 8, group: int = 1) -> list[tuple[list[list[int]], int]]:
+    """n policy-shaped scoring requests: (prompts = a prefix + each candidate, start = prefix length).
+    `group` 1: every prefix distinct. `group` G: G consecutive requests share the task, as a GRPO
+    group's episodes do; the first half of them the very prompt (the same state), the rest a state
+    line of their own."""
     out = []
     for i in range(n):
-        prefix = tok(chat(tok, [RULES + f"Task {i}: explore {TOPICS[i % len(TOPICS)]}. " * 3 +
-                                "Choose the next action.\n" + "\n".join(ACTIONS)]), add_special_tokens=False).input_ids
+        task, member = i // group, i % group
+        state = f"State: room {task}." if member < max(1, group // 2) else f"State: room {task}, step {member}."
+        prefix = tok(chat(tok, [RULES + f"Task {task}: explore {TOPICS[task % len(TOPICS)]}. " * 3 + state +
+                                "\nChoose the next action.\n" + "\n".join(ACTIONS)]), add_special_tokens=False).input_ids
         cands = [tok(" " + ACTIONS[(i + j) % len(ACTIONS)], add_special_tokens=False).input_ids[:6]
                  for j in range(candidates)]
         out.append(([prefix + c for c in cands], len(prefix)))
@@ -299,12 +307,11 @@ def score_alone(model, prompts: list[list[int]], start: int) -> list[list[float]
     return [lp.tolist() for lp in lps]
 
 
-async def scoring_rates(model, tok, n: int, concurrency: int) -> tuple[float, float, float]:
+async def scoring_rates(model, tok, n: int, concurrency: int, group: int = 1) -> tuple[float, float, float]:
     """(requests/s alone on pool threads, requests/s through the batched queue, largest log-prob gap)."""
     from infra.engine.batcher import Batcher
-    from infra.engine.scorer import GPU_BATCH_TOKENS
 
-    work = scoring_workload(tok, n)
+    work = scoring_workload(tok, n, group=group)
     gate = asyncio.Semaphore(concurrency)
 
     async def timed(call) -> tuple[float, list]:
@@ -317,7 +324,7 @@ async def scoring_rates(model, tok, n: int, concurrency: int) -> tuple[float, fl
         return n / (time.perf_counter() - t0), got
 
     alone, ref = await timed(lambda prompts, start: asyncio.to_thread(score_alone, model, prompts, start))
-    batcher = Batcher(model, tok, score_batch_tokens=GPU_BATCH_TOKENS)  # batched, whatever the device
+    batcher = Batcher(model, tok)  # batched as the device does by default: padded on a GPU, token trees on a CPU
     batcher.start()
     try:
         async def queued(prompts, start):
@@ -459,11 +466,13 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
             ratios.append(f"sampler: multinomial / ours {ref / ours:.1f}x")
         if "scoring" in sections:
             n = max(top * 4, 16)
-            alone, batched, gap = await scoring_rates(model, tok, n, top)
-            print(f"scoring, {n} policy-shaped requests (8 candidates each), {top} concurrent: alone on pool threads "
-                  f"{alone:7.1f} requests/s, batched queue {batched:7.1f} requests/s; largest log-prob gap "
-                  f"{gap:.1e}  {la()}")
-            ratios.append(f"scoring: batched / alone {batched / alone:.2f}x")
+            for group in (1, 4):
+                alone, batched, gap = await scoring_rates(model, tok, n, top, group)
+                shape = "distinct prompts" if group == 1 else f"groups of {group} sharing a task"
+                print(f"scoring, {n} policy-shaped requests (8 candidates each, {shape}), {top} concurrent: alone on "
+                      f"pool threads {alone:7.1f} requests/s, batched queue {batched:7.1f} requests/s; largest "
+                      f"log-prob gap {gap:.1e}  {la()}")
+                ratios.append(f"scoring ({shape}): batched / alone {batched / alone:.2f}x")
         if "speculative" in sections:
             from infra.engine.models import load_model
 

@@ -4,8 +4,8 @@ learner's layouts of the same computation (a padded batch, a token tree).
 On the tiny random Llama with SmolLM2's tokenizer (fp32, CPU): many (prefix, continuations)
 items in two forwards, or in one forward over their token trie, give each item's
 `continuation_logprobs` (and the learner's gradients); concurrent requests share
-batches when batching is on and run alone when it is off; a request that breaks its batch
-fails alone; the CPU's default is off and a GPU's is on.
+batches when batching is on (padded, or as one token tree) and run alone when it is off; a
+request that breaks its batch fails alone; a GPU batches padded rows by default, a CPU token trees.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from infra.config import ConfigError, load_config
 from infra.engine.batcher import Batcher
 from infra.engine.models import load_model
-from infra.engine.scorer import GPU_BATCH_TOKENS, Scorer, batch_budget
+from infra.engine.scorer import CPU_TREE_TOKENS, GPU_BATCH_TOKENS, Scorer, batch_budget
 from infra.engine.scoring import (batched_continuation_logprobs, continuation_logprobs, tree_continuation_logprobs,
                                   trie_size)
 
@@ -77,11 +77,12 @@ def _jobs(scorer: Scorer, n: int) -> tuple[list, list]:
     return work, [f.result(timeout=60) for f in futures]
 
 
-@pytest.mark.parametrize("budget", [GPU_BATCH_TOKENS, 0])
-def test_the_queue_batches_concurrent_requests_only_when_batching_is_on(tiny, budget):
+@pytest.mark.parametrize("budget,tree", [(GPU_BATCH_TOKENS, False), (CPU_TREE_TOKENS, True), (0, False)])
+def test_the_queue_batches_concurrent_requests_only_when_batching_is_on(tiny, budget, tree):
+    """Padded or as one token tree, the batched answers are each request's own."""
     model, _ = tiny
     gate = threading.Event()
-    scorer = Scorer(lambda: (gate.wait(), (model, 7))[1], batch_tokens=budget)  # holds the first batch
+    scorer = Scorer(lambda: (gate.wait(), (model, 7))[1], batch_tokens=budget, tree=tree)  # holds the first batch
     scorer.start()
     try:
         threading.Timer(0.5, gate.set).start()  # every request is queued before the first one runs
@@ -101,9 +102,10 @@ def test_the_queue_batches_concurrent_requests_only_when_batching_is_on(tiny, bu
         assert scorer.batches == 16
 
 
-def test_a_request_that_breaks_its_batch_fails_alone(tiny):
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_request_that_breaks_its_batch_fails_alone(tiny, tree):
     model, tok = tiny
-    scorer = Scorer(lambda: (model, 0), batch_tokens=GPU_BATCH_TOKENS)
+    scorer = Scorer(lambda: (model, 0), batch_tokens=GPU_BATCH_TOKENS, tree=tree)
     good = [([[1, 2, 3, 4]], 2), ([[5, 6, 7]], 2)]
     bad = ([[1, 2, len(tok) + 10_000]], 2)  # a token id past the vocabulary: the embedding lookup raises
     jobs = [scorer.submit(*good[0]), scorer.submit(*bad), scorer.submit(*good[1])]
@@ -118,13 +120,13 @@ def test_a_request_that_breaks_its_batch_fails_alone(tiny):
         scorer.submit(*good[0])
 
 
-def test_batching_is_on_for_a_gpu_and_off_for_the_cpu_by_default(tiny):
+def test_a_gpu_batches_padded_rows_and_a_cpu_token_trees_by_default(tiny):
     model, tok = tiny
-    assert batch_budget(-1, torch.device("cpu")) == 0
+    assert batch_budget(-1, torch.device("cpu")) == CPU_TREE_TOKENS
     assert batch_budget(-1, torch.device("cuda", 0)) == GPU_BATCH_TOKENS
     assert batch_budget(4096, torch.device("cpu")) == 4096
     b = Batcher(model, tok)
-    assert b.scorer.batch_tokens == 0
+    assert b.scorer.batch_tokens == CPU_TREE_TOKENS and b.scorer.tree
     assert load_config(None, ["engines.score_batch_tokens=8192"]).engines.score_batch_tokens == 8192
     with pytest.raises(ConfigError, match="score_batch_tokens"):
         load_config(None, ["engines.score_batch_tokens=-2"])
@@ -159,6 +161,8 @@ def test_the_token_tree_scores_as_each_item_alone(tiny):
     assert trie_size(items) <= every - 3 * 40 - len(items[1][0]) - 2  # the head 3 more times, the repeat, a shared "7"
     with pytest.raises(ValueError, match="at least one token"):
         tree_continuation_logprobs(model, [([1, 2], [[]])])
+    with pytest.raises(ValueError, match="no items"):
+        tree_continuation_logprobs(model, [])
 
 
 @pytest.mark.parametrize("layout", ["padded", "tree"])

@@ -113,8 +113,8 @@ class Batcher:
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
-        # Scoring requests, beside the loop: batched on a GPU, each alone on a CPU (infra/engine/scorer.py).
-        self.scorer = Scorer(self._serving, batch_budget(score_batch_tokens, self.device))
+        # Scoring requests, beside the loop: padded batches on a GPU, token trees on a CPU (infra/engine/scorer.py).
+        self.scorer = Scorer(self._serving, batch_budget(score_batch_tokens, self.device), tree=self.device.type == "cpu")
 
     # --- public, any thread ---
     def start(self) -> None:

@@ -198,6 +198,8 @@ def tree_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int], 
     TextWorld steps (groups of 4 episodes) forward+backward ran 1.7x the padded two-forward batch's
     speed in micro-batches of 8 steps, and 2.3x as one micro-batch (benchmarks/learner_update.py --score). The padded batch stays the GPU's: a forward there costs about the same whatever its
     size, and the mask grows as the square of the tokens."""
+    if not items:
+        raise ValueError("tree_continuation_logprobs: no items")
     for prefix, conts in items:
         if not prefix:
             raise ValueError("tree_continuation_logprobs: empty prefix")
