@@ -205,3 +205,24 @@ def test_the_learner_takes_the_tree_on_the_cpu_unless_told(tiny):
     assert load_config(None).learner.score_layout == "auto"
     with pytest.raises(ConfigError, match="score_layout"):
         load_config(None, ["learner.score_layout=packed"])
+
+
+def test_the_tree_needs_no_cache_so_it_trains_under_gradient_checkpointing(tiny_dir):
+    """Checkpointed layers run without a KV cache; the tree never uses one, so its log-probs and
+    gradients are the same with learner.gradient_checkpointing on."""
+    from learner.policy_model import scored_logprobs
+
+    model, tok = load_model(str(tiny_dir))  # its own copy: checkpointing stays on
+    prompts = ["Room: kitchen. Take the coin.", "Room: kitchen. Take the key."]
+    cands = [[[101, 102], [103]], [[101, 102], [103], [7]]]
+    got = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model.zero_grad(set_to_none=True)
+        lp, _, _ = scored_logprobs(model, tok, prompts, cands, [1, 2], layout="tree")
+        lp.sum().backward()
+        got.append((lp.detach(), model.model.embed_tokens.weight.grad.clone()))
+    assert model.is_gradient_checkpointing
+    assert torch.allclose(got[0][0], got[1][0], atol=1e-6) and torch.allclose(got[0][1], got[1][1], atol=1e-6)
