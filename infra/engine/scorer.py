@@ -18,8 +18,9 @@ several threads (`benchmarks/engine_throughput.py --sections scoring`). So on th
 requests of a GRPO group's episodes share the system prompt, the goal and the room (all
 of it at the first step), and those tokens run once: 1.75x the requests/s of requests alone
 on 4 threads for 16 concurrent requests in groups of 4 sharing a task, 1.09x for distinct
-prompts (`benchmarks/engine_throughput.py --sections scoring --concurrency 16`). With `batch_tokens` 0 the queue scores each request alone,
-on `ALONE_THREADS` threads, as the engine did before.
+prompts (`benchmarks/engine_throughput.py --sections scoring --concurrency 16`). With
+`batch_tokens` 0 the queue scores each request alone, on `ALONE_THREADS` threads, as the
+engine did before.
 
 A chunk that fails (out of memory, a bug) is retried one request at a time, so a bad
 request fails alone.
