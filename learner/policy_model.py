@@ -32,8 +32,8 @@ from torch import nn
 
 from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
 from infra.config import LearnerConfig
-from infra.engine.scoring import (batched_continuation_logprobs, continuation_logprobs, mean_logprobs,
-                                  tree_continuation_logprobs, trie_size)
+from infra.engine.scoring import (TokenTrie, batched_continuation_logprobs, continuation_logprobs, mean_logprobs,
+                                  tree_continuation_logprobs)
 from infra.engine.models import load_model
 from learner.precision import Precision
 
@@ -61,11 +61,13 @@ def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidat
     if layout == "per-prompt":
         found = [continuation_logprobs(model, prefix, cands, want_hidden) for prefix, cands in items]
     elif layout in ("padded", "tree"):
-        score = tree_continuation_logprobs if layout == "tree" else batched_continuation_logprobs
-        per_item, hid = score(model, items, want_hidden)
-        found = [(lps, hid[i] if want_hidden else None) for i, lps in enumerate(per_item)]
         if layout == "tree":
-            tokens = trie_size(items)
+            trie = TokenTrie(items)
+            per_item, hid = tree_continuation_logprobs(model, items, want_hidden, trie)
+            tokens = len(trie.ids)
+        else:
+            per_item, hid = batched_continuation_logprobs(model, items, want_hidden)
+        found = [(lps, hid[i] if want_hidden else None) for i, lps in enumerate(per_item)]
     else:
         raise ValueError(f"score layout must be 'padded', 'tree' or 'per-prompt', got {layout!r}")
     dists = [torch.log_softmax(mean_logprobs(lps), dim=-1) for lps, _ in found]

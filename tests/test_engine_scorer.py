@@ -20,8 +20,8 @@ from infra.config import ConfigError, load_config
 from infra.engine.batcher import Batcher
 from infra.engine.models import load_model
 from infra.engine.scorer import CPU_TREE_TOKENS, GPU_BATCH_TOKENS, Scorer, batch_budget
-from infra.engine.scoring import (batched_continuation_logprobs, continuation_logprobs, tree_continuation_logprobs,
-                                  trie_size)
+from infra.engine.scoring import (TokenTrie, batched_continuation_logprobs, continuation_logprobs,
+                                  tree_continuation_logprobs)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_the_token_tree_scores_as_each_item_alone(tiny):
                 assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (a, b)
     assert torch.allclose(hidden, padded_hidden, atol=1e-5)
     every = sum(len(p) + sum(len(c) - 1 for c in conts) for p, conts in items)
-    assert trie_size(items) <= every - 3 * 40 - len(items[1][0]) - 2  # the head 3 more times, the repeat, a shared "7"
+    assert len(TokenTrie(items).ids) <= every - 3 * 40 - len(items[1][0]) - 2  # the head 3 more times, the repeat, a shared "7"
     with pytest.raises(ValueError, match="at least one token"):
         tree_continuation_logprobs(model, [([1, 2], [[]])])
     with pytest.raises(ValueError, match="no items"):

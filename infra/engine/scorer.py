@@ -132,24 +132,26 @@ class Scorer:
                         job.future.set_exception(exc)
 
     def _chunks(self, jobs: list[ScoreJob]) -> list[list[ScoreJob]]:
-        """Consecutive jobs whose cost stays within batch_tokens (a larger job runs alone): padded,
-        rows x the widest row; a tree, its prompt tokens (each prefix once, then its continuations)."""
+        """Consecutive jobs whose `_size` stays within batch_tokens (a larger job runs alone)."""
         chunks: list[list[ScoreJob]] = []
-        rows = width = 0
+        size = (0, 0)
         for job in jobs:
-            if self.tree:
-                job_rows, widest = 1, job.start + sum(len(p) - job.start for p in job.prompts)
-                cost = width + widest
-            else:
-                job_rows, widest = len(job.prompts), max(len(p) for p in job.prompts)
-                cost = (rows + job_rows) * max(width, widest)
-            if chunks and cost <= self.batch_tokens:
+            grown = self._size(size, job)
+            if chunks and grown[0] * grown[1] <= self.batch_tokens:
                 chunks[-1].append(job)
-                rows, width = rows + job_rows, (width + widest if self.tree else max(width, widest))
+                size = grown
             else:
                 chunks.append([job])
-                rows, width = job_rows, widest
+                size = self._size((0, 0), job)
         return chunks
+
+    def _size(self, size: tuple[int, int], job: ScoreJob) -> tuple[int, int]:
+        """A chunk's size with `job` added, as (rows, width): padded, its rows and widest row; a tree,
+        1 and its prompt tokens (each prefix once, then its continuations)."""
+        rows, width = size
+        if self.tree:
+            return 1, width + job.start + sum(len(p) - job.start for p in job.prompts)
+        return rows + len(job.prompts), max(width, max(len(p) for p in job.prompts))
 
     def _run(self, chunk: list[ScoreJob]) -> None:
         model, version = self.current()

@@ -76,16 +76,23 @@ def continuation_logprobs(model: Any, prefix: Sequence[int], continuations: Sequ
     return result, hidden
 
 
+def _check_items(caller: str, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> None:
+    """ValueError unless there are items, each with a prefix and continuations of a token or more."""
+    if not items:
+        raise ValueError(f"{caller}: no items")
+    for prefix, conts in items:
+        if not prefix:
+            raise ValueError(f"{caller}: empty prefix")
+        if not conts or any(len(c) == 0 for c in conts):
+            raise ValueError(f"{caller}: every continuation needs at least one token")
+
+
 def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
                                   want_hidden: bool = False) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
     """(per item, `continuation_logprobs(model, prefix, continuations)[0]`; each prefix's last hidden
     state [n, H] or None), computed for all items in two forwards (module docstring). The engine
     calls it under no_grad, the learner with gradients (learner/policy_model.py)."""
-    for prefix, conts in items:
-        if not prefix:
-            raise ValueError("batched_continuation_logprobs: empty prefix")
-        if not conts or any(len(c) == 0 for c in conts):
-            raise ValueError("batched_continuation_logprobs: every continuation needs at least one token")
+    _check_items("batched_continuation_logprobs", items)
     device = next(model.parameters()).device
     n, width = len(items), max(len(p) for p, _ in items)
     ids = torch.zeros((n, width), dtype=torch.long)
@@ -138,14 +145,15 @@ def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int
     return result, hidden
 
 
-class _Trie:
+class TokenTrie:
     """The token tree of `tree_continuation_logprobs`: every item's prefix, and the prefix followed
     by each continuation but its last token, as paths of nodes (node n: token ids[n], its parent
-    node or -1, its depth = its position). reads[k] = (node whose logits predict a token, that
+    node or -1, its depth = its position; len(ids) tokens run through the model). reads[k] = (node whose logits predict a token, that
     token), in item, continuation, token order; spans[i][j] = (first read, count) of item i's
     continuation j; last[i]: the node of item i's last prefix token."""
 
     def __init__(self, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]):
+        _check_items("tree_continuation_logprobs", items)
         self.ids: list[int] = []
         self.parent: list[int] = []
         self.depth: list[int] = []
@@ -180,13 +188,9 @@ class _Trie:
         return path
 
 
-def trie_size(items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]) -> int:
-    """Tokens `tree_continuation_logprobs` runs through the model for `items`."""
-    return len(_Trie(items).ids)
-
-
 def tree_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
-                               want_hidden: bool = False) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
+                               want_hidden: bool = False,
+                               trie: TokenTrie | None = None) -> tuple[list[list[torch.Tensor]], torch.Tensor | None]:
     """`batched_continuation_logprobs(model, items, want_hidden)` in one forward over a token tree:
     every distinct token path (each prefix, then each of its continuations but the last token) is
     inserted into a trie, its nodes laid out as one sequence, each attending to itself and its
@@ -196,17 +200,14 @@ def tree_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int], 
 
     The learner's layout on a CPU (learner.score_layout), where compute is the bound: on 21 real
     TextWorld steps (groups of 4 episodes) forward+backward ran 1.7x the padded two-forward batch's
-    speed in micro-batches of 8 steps, and 2.3x as one micro-batch (benchmarks/learner_update.py --score). The padded batch stays the GPU's: a forward there costs about the same whatever its
-    size, and the mask grows as the square of the tokens."""
-    if not items:
-        raise ValueError("tree_continuation_logprobs: no items")
-    for prefix, conts in items:
-        if not prefix:
-            raise ValueError("tree_continuation_logprobs: empty prefix")
-        if not conts or any(len(c) == 0 for c in conts):
-            raise ValueError("tree_continuation_logprobs: every continuation needs at least one token")
+    speed in micro-batches of 8 steps, and 2.3x as one micro-batch (benchmarks/learner_update.py
+    --score). The padded batch stays the GPU's: a forward there costs about the same whatever its
+    size, and the mask grows as the square of the tokens.
+
+    `trie`: the items' TokenTrie, when the caller built it already (the learner counts its tokens)."""
+    if trie is None:
+        trie = TokenTrie(items)
     device = next(model.parameters()).device
-    trie = _Trie(items)
     size = len(trie.ids)
     mask = torch.zeros((size, size), dtype=torch.bool)
     for node, up in enumerate(trie.parent):  # a node sees its parent's ancestors and itself
