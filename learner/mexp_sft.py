@@ -115,25 +115,63 @@ def sft_loss(nll: torch.Tensor, target: torch.Tensor, outcome: torch.Tensor, out
     return (nll * w).sum() / w.sum().clamp(min=1e-8)
 
 
-def token_losses(model: Any, batch: dict[str, torch.Tensor],
-                 precision: Precision | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-target-token negative log-likelihood (flattened), and the reasoning / target masks it applies to.
+@dataclass
+class TargetLosses:
+    """Per-target-token negative log-likelihoods of a batch, flat in example then token order,
+    and which of those tokens are reasoning and which are outcome (reward, done, EOS)."""
+    nll: torch.Tensor
+    reasoning: torch.Tensor
+    outcome: torch.Tensor
 
-    The batch moves to the model's device; the forward runs under `precision`'s autocast."""
+    @property
+    def rest(self) -> torch.Tensor:
+        """The target tokens after the reasoning: next state, reward, done (Eq. 5's second term)."""
+        return ~self.reasoning
+
+
+def resolve_layout(layout: str, device: str) -> str:
+    """simulator.sft_layout's 'auto': 'unpadded' on the CPU, 'padded' on a GPU."""
+    if layout == "auto":
+        return "unpadded" if str(device) == "cpu" else "padded"
+    return layout
+
+
+def target_losses(model: Any, batch: list[Encoded], pad_id: int, precision: Precision | None = None,
+                  layout: str = "padded") -> TargetLosses:
+    """The batch's per-target-token losses, under `precision`'s autocast, in one of two layouts
+    that compute the same numbers (simulator.sft_layout):
+
+    - 'padded': one right-padded forward over the batch, logits at every position (the GPU's: a
+      forward there costs about the same whatever its size);
+    - 'unpadded': one forward per example at its own length, and only the positions that predict
+      a target token reach the LM head (a 49,152-word head and its log-softmax on the ~70 % of
+      tokens that are prompt, and the padding, are most of the padded batch's waste on a CPU)."""
     device = next(model.parameters()).device
-    batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels", "reasoning")}
+    if layout == "unpadded":
+        nll, reas, outcome = [], [], []
+        for e in batch:
+            start = next(i for i, t in enumerate(e.labels) if t != IGNORE)  # the first target token
+            with (precision or Precision()).autocast():
+                # The last len-start+1 positions, less the final one, predict the target tokens.
+                logits = model(input_ids=torch.tensor([e.input_ids], device=device),
+                               logits_to_keep=len(e.input_ids) - start + 1).logits[0, :-1]
+            nll.append(torch.nn.functional.cross_entropy(
+                logits.float(), torch.tensor(e.input_ids[start:], device=device), reduction="none"))
+            reas += e.reasoning[start:]
+            outcome += e.outcome[start:]
+        return TargetLosses(torch.cat(nll), torch.tensor(reas, device=device), torch.tensor(outcome, device=device))
+    b = {k: v.to(device) for k, v in _collate(batch, pad_id).items()}
     with (precision or Precision()).autocast():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    reas = batch["reasoning"][:, 1:]
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+    labels = b["labels"][:, 1:]
     target = labels != IGNORE
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),
                                             labels.clamp(min=0).reshape(-1), reduction="none")
-    return nll.view(labels.shape), reas & target, target & ~reas
+    return TargetLosses(nll.view(labels.shape)[target], b["reasoning"][:, 1:][target], b["outcome"][:, 1:][target])
 
 
 def evaluate(model: Any, data: list[Encoded], pad_id: int, batch_size: int = 8,
-             precision: Precision | None = None) -> dict[str, float]:
+             precision: Precision | None = None, layout: str = "padded") -> dict[str, float]:
     """Token-mean held-out loss, and its two Eq. 5 terms."""
     tot = {"all": 0.0, "reasoning": 0.0, "state": 0.0}
     cnt = {"all": 0, "reasoning": 0, "state": 0}
@@ -141,9 +179,9 @@ def evaluate(model: Any, data: list[Encoded], pad_id: int, batch_size: int = 8,
     model.eval()
     with torch.no_grad():
         for i in range(0, len(data), batch_size):
-            nll, reas, rest = token_losses(model, _collate(data[i:i + batch_size], pad_id), precision)
-            for name, m in (("reasoning", reas), ("state", rest), ("all", reas | rest)):
-                tot[name] += float(nll[m].sum())
+            t = target_losses(model, data[i:i + batch_size], pad_id, precision, layout)
+            for name, m in (("reasoning", t.reasoning), ("state", t.rest), ("all", torch.ones_like(t.reasoning))):
+                tot[name] += float(t.nll[m].sum())
                 cnt[name] += int(m.sum())
     model.train(was_training)
     return {f"loss_{k}": (tot[k] / cnt[k] if cnt[k] else float("nan")) for k in tot}
@@ -155,8 +193,10 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    precision = Precision(str(next(model.parameters()).device), cfg.sft_dtype)  # autocast where the model is
-    before = evaluate(model, val_data, pad, precision=precision) if val_data else {}
+    device = str(next(model.parameters()).device)
+    precision = Precision(device, cfg.sft_dtype)  # autocast where the model is
+    layout = resolve_layout(cfg.sft_layout, device)
+    before = evaluate(model, val_data, pad, precision=precision, layout=layout) if val_data else {}
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.sft_lr, weight_decay=0.0)
     steps_per_epoch = (len(train_data) + cfg.sft_batch_size - 1) // cfg.sft_batch_size
@@ -172,14 +212,14 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
             order = list(range(len(train_data)))
             rng.shuffle(order)
             for i in range(0, len(order), cfg.sft_batch_size):
-                batch = _collate([train_data[j] for j in order[i:i + cfg.sft_batch_size]], pad)
-                nll, reas, rest = token_losses(model, batch, precision)
-                loss = sft_loss(nll, reas | rest, batch["outcome"][:, 1:].to(nll.device), cfg.sft_outcome_weight)
+                batch = [train_data[j] for j in order[i:i + cfg.sft_batch_size]]
+                t = target_losses(model, batch, pad, precision, layout)
+                loss = sft_loss(t.nll, torch.ones_like(t.reasoning), t.outcome, cfg.sft_outcome_weight)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
-                tokens += int(batch["attention_mask"].sum())
+                tokens += sum(len(e.input_ids) for e in batch)
                 curve.append(loss.item())
                 bar.update(job, advance=1, loss=f"{curve[-1]:.3f}")
                 if len(curve) % max(1, total // 8) == 0:  # a log line per eighth: a bar is invisible in a log file
@@ -187,7 +227,7 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
                              time.monotonic() - t0)
     seconds = time.monotonic() - t0
     model.eval()
-    after = evaluate(model, val_data, pad, precision=precision) if val_data else {}
+    after = evaluate(model, val_data, pad, precision=precision, layout=layout) if val_data else {}
     return {"before": before, "after": after, "train_curve": curve, "train_seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds else 0.0}
 
@@ -231,14 +271,21 @@ def cap_examples(examples: list[MexpExample], n: int, reward_share: float, seed:
     return picked
 
 
-def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, family: str = "textworld",
-            seed: int = 0, progress: bool = True, base_model: str = "smollm2") -> dict[str, Any]:
-    """Load the offline data, build examples with retrieval, train, save; returns the report.
-    Training starts from `cfg.checkpoint` when set (continue a Mexp), else from `base_model`."""
-    Precision.checked(cfg.sft_device, cfg.sft_dtype, "simulator.sft_device", "simulator.sft_dtype")  # before any loading
+@dataclass
+class SftData:
+    """The encoded examples of one Mexp SFT run, and the task counts its report gives."""
+    train: list[Encoded]
+    heldout: list[Encoded]
+    train_tasks: int
+    heldout_tasks: int
+
+
+def sft_data(cfg: SimulatorConfig, data_dir: str | Path, tokenizer: Any, family: str = "textworld",
+             seed: int = 0) -> SftData:
+    """Load the offline data, split it, build the examples with retrieval from a buffer of the
+    train split, cap and encode them (benchmarks/mexp_sft.py times training on exactly these)."""
     trajs = load_offline(data_dir, family)
     train_trajs, held_trajs = split_trajectories(trajs, cfg.heldout_frac, data_dir, family)
-    model, tokenizer = prepare_model(cfg.checkpoint or base_model, cfg.sft_lora_rank, cfg.sft_device)
     embedder = Embedder(cache_path=Path(data_dir) / ".cache" / "embeddings.sqlite")
     with tempfile.TemporaryDirectory(prefix="mexp-sft-buffer-") as tmp:
         buffer = EdgeBuffer(Path(tmp) / "edge", embedder) if cfg.retrieval else None
@@ -262,12 +309,21 @@ def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, fam
              sum(e.truth.reward > 0 for e in train_ex))
     if not enc_train:
         raise ValueError("no training examples fit sft_max_len; raise simulator.sft_max_len")
-    report = train(model, tokenizer, enc_train, enc_val, cfg, seed, progress)
+    return SftData(enc_train, enc_val, len({t.task_id for t in train_trajs}), len({t.task_id for t in held_trajs}))
+
+
+def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, family: str = "textworld",
+            seed: int = 0, progress: bool = True, base_model: str = "smollm2") -> dict[str, Any]:
+    """Load the offline data, build examples with retrieval, train, save; returns the report.
+    Training starts from `cfg.checkpoint` when set (continue a Mexp), else from `base_model`."""
+    Precision.checked(cfg.sft_device, cfg.sft_dtype, "simulator.sft_device", "simulator.sft_dtype")  # before any loading
+    model, tokenizer = prepare_model(cfg.checkpoint or base_model, cfg.sft_lora_rank, cfg.sft_device)
+    data = sft_data(cfg, data_dir, tokenizer, family, seed)
+    report = train(model, tokenizer, data.train, data.heldout, cfg, seed, progress)
     out = save(model, tokenizer, Path(out_dir))
-    report.update({"checkpoint": str(out), "train_examples": len(enc_train), "heldout_examples": len(enc_val),
-                   "train_tasks": len({t.task_id for t in train_trajs}),
-                   "heldout_tasks": len({t.task_id for t in held_trajs}),
-                   "mean_prompt_tokens": sum(e.labels.count(IGNORE) for e in enc_train) / len(enc_train)})
+    report.update({"checkpoint": str(out), "train_examples": len(data.train), "heldout_examples": len(data.heldout),
+                   "train_tasks": data.train_tasks, "heldout_tasks": data.heldout_tasks,
+                   "mean_prompt_tokens": sum(e.labels.count(IGNORE) for e in data.train) / len(data.train)})
     (out / "sft_report.json").write_text(json.dumps({k: v for k, v in report.items() if k != "train_curve"}, indent=1))
     return report
 
@@ -302,11 +358,11 @@ SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k
 
 def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int) -> dict:
     """What a cached Mexp SFT checkpoint depends on; the driver keys its cache directory by it.
-    The device does not shape the weights (beyond float rounding); bf16 compute does, and float32,
+    The device and the batch layout do not shape the weights (beyond float rounding); bf16 compute does, and float32,
     the default, stays out of the key so the caches written before `sft_dtype` existed still count
     (as do `sft_reward_share` and `sft_outcome_weight` at their defaults)."""
     shaping = section_settings(cfg, SHAPING_FIELDS, prefixes=("sft_",))
-    del shaping["sft_device"]
+    del shaping["sft_device"], shaping["sft_layout"]  # where and how it computes, not what
     if shaping["sft_dtype"] == "float32":
         del shaping["sft_dtype"]
     if not shaping["sft_reward_share"]:  # the default draw, as before the setting existed

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.config import SimulatorConfig
+from infra.config import ConfigError, SimulatorConfig, load_config
+from infra.engine.models import load_model
 from infra.schema import Task
-from learner.mexp_sft import IGNORE, cache_settings, cap_examples, encode_example, run_sft, sft_loss
+from learner.mexp_sft import (IGNORE, Encoded, cache_settings, cap_examples, encode_example, resolve_layout, run_sft,
+                              sft_loss, target_losses)
 from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
 from simulator.mexp_output import MexpOutput, parse_mexp_output
 
@@ -141,3 +143,43 @@ def test_outcome_mask_covers_the_reward_and_done_tokens():
         assert marked.endswith(f"<reward>{reward:g}</reward>\n<done>{str(done).lower()}</done>" + tok.eos_token)
         assert "reward" not in unmarked_target and "[1] go north" in unmarked_target
         assert not any(enc.outcome[:enc.labels.count(IGNORE)])  # never a prompt token
+
+
+def test_the_unpadded_layout_gives_the_padded_losses_and_gradients(tiny_dir):
+    """simulator.sft_layout: one forward per example with the LM head on the target positions only
+    (the CPU's) equals the right-padded batch with logits everywhere, in losses, masks and gradients;
+    'auto' is 'unpadded' on the CPU; the layout is not part of the SFT cache key."""
+    model, tok = load_model(str(tiny_dir))
+    examples = []
+    for prompt, reasoning, rest in (("You are in a kitchen. > open the fridge", " the fridge was closed", " The fridge is open. <reward>0</reward>"),
+                                    ("A long corridor with three doors, one of them red, and a rug. > go east",
+                                     " east leads to the den", " You are in the den. <reward>1</reward><done>1</done>"),
+                                    ("Hall. > take key", "", " You take the key.")):
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        r = tok(reasoning, add_special_tokens=False)["input_ids"] if reasoning else []
+        s = tok(rest, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        examples.append(Encoded(p + r + s, [IGNORE] * len(p) + r + s, [False] * len(p) + [True] * len(r) + [False] * len(s),
+                                [False] * (len(p) + len(r)) + [i >= len(s) - 3 for i in range(len(s))]))
+    assert len({len(e.input_ids) for e in examples}) == 3  # padding happens in the padded layout
+    out, grads = {}, {}
+    for layout in ("padded", "unpadded"):
+        model.zero_grad(set_to_none=True)
+        t = target_losses(model, examples, tok.pad_token_id, layout=layout)
+        sft_loss(t.nll, torch.ones_like(t.reasoning), t.outcome, 3.0).backward()
+        out[layout] = t
+        grads[layout] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    a, b = out["padded"], out["unpadded"]
+    n_target = sum(len(e.labels) - e.labels.count(IGNORE) for e in examples)
+    assert a.nll.shape == b.nll.shape == (n_target,)
+    assert torch.equal(a.reasoning, b.reasoning) and torch.equal(a.outcome, b.outcome)
+    assert int(a.reasoning.sum()) > 0 and int(a.outcome.sum()) == 9
+    assert torch.allclose(a.nll, b.nll, atol=1e-4)
+    assert grads["padded"].keys() == grads["unpadded"].keys() and grads["padded"]
+    for name, g in grads["padded"].items():
+        assert torch.allclose(g, grads["unpadded"][name], atol=1e-5, rtol=1e-3), name
+    assert resolve_layout("auto", "cpu") == "unpadded" and resolve_layout("auto", "cuda:0") == "padded"
+    assert resolve_layout("padded", "cpu") == "padded"
+    assert load_config(None, ["simulator.sft_layout=padded"]).simulator.sft_layout == "padded"
+    with pytest.raises(ConfigError, match="sft_layout"):
+        load_config(None, ["simulator.sft_layout=packed"])
+    assert cache_settings(SimulatorConfig(sft_layout="padded"), "m", "o", 0) == cache_settings(SimulatorConfig(), "m", "o", 0)
