@@ -30,6 +30,9 @@ than the learner's, since Mexp may train on another node or GPU than the policy.
 'bfloat16' is learner/precision.py's mixed precision (fp32 weights and AdamW state, bf16
 autocast forwards; the token cross-entropy is taken in fp32), so the checkpoint is fp32.
 The device is checked before anything loads.
+`simulator.sft_layout` picks how a batch runs (`target_losses`): on a CPU each example alone
+at its own length, with the LM head only where a target token is predicted (1.36x a padded
+step on the preset's examples, benchmarks/mexp_sft.py); on a GPU the padded batch.
 """
 
 from __future__ import annotations
