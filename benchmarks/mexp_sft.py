@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
 
 from infra.config import load_config  # noqa: E402
-from learner.mexp_sft import IGNORE, prepare_model, sft_data, sft_loss, target_losses  # noqa: E402
+from learner.mexp_sft import IGNORE, prepare_model, sft_data, train_step  # noqa: E402
 
 
 def main() -> int:
@@ -62,13 +62,7 @@ def main() -> int:
         losses[layout] = []
         t0 = time.perf_counter()
         for b in batches:
-            t = target_losses(model, b, pad, layout=layout)
-            loss = sft_loss(t.nll, torch.ones_like(t.reasoning), t.outcome, sim.sft_outcome_weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses[layout].append(loss.item())
+            losses[layout].append(train_step(model, opt, b, pad, sim.sft_outcome_weight, layout=layout))
         seconds[layout] = time.perf_counter() - t0
         load = os.getloadavg()[0]
         print(f"{layout:>9}: {seconds[layout] / args.steps:6.1f} s/step, {real / seconds[layout]:6.0f} tokens/s "

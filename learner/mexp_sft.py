@@ -190,6 +190,18 @@ def evaluate(model: Any, data: list[Encoded], pad_id: int, batch_size: int = 8,
     return {f"loss_{k}": (tot[k] / cnt[k] if cnt[k] else float("nan")) for k in tot}
 
 
+def train_step(model: Any, opt: torch.optim.Optimizer, batch: list[Encoded], pad_id: int, outcome_weight: float,
+               precision: Precision | None = None, layout: str = "padded") -> float:
+    """One AdamW step on the batch's Eq. 5 loss (gradients clipped to norm 1); returns the loss."""
+    t = target_losses(model, batch, pad_id, precision, layout)
+    loss = sft_loss(t.nll, torch.ones_like(t.reasoning), t.outcome, outcome_weight)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], 1.0)
+    opt.step()
+    return loss.item()
+
+
 def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[Encoded], cfg: SimulatorConfig,
           seed: int = 0, progress: bool = True) -> dict[str, Any]:
     """Optimise the Eq. 5 loss; returns losses before/after and the per-step training curve."""
@@ -216,14 +228,8 @@ def train(model: Any, tokenizer: Any, train_data: list[Encoded], val_data: list[
             rng.shuffle(order)
             for i in range(0, len(order), cfg.sft_batch_size):
                 batch = [train_data[j] for j in order[i:i + cfg.sft_batch_size]]
-                t = target_losses(model, batch, pad, precision, layout)
-                loss = sft_loss(t.nll, torch.ones_like(t.reasoning), t.outcome, cfg.sft_outcome_weight)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
+                curve.append(train_step(model, opt, batch, pad, cfg.sft_outcome_weight, precision, layout))
                 tokens += sum(len(e.input_ids) for e in batch)
-                curve.append(loss.item())
                 bar.update(job, advance=1, loss=f"{curve[-1]:.3f}")
                 if len(curve) % max(1, total // 8) == 0:  # a log line per eighth: a bar is invisible in a log file
                     log.info("Mexp SFT step %d/%d: loss %.3f (%.0f s)", len(curve), total, curve[-1],
