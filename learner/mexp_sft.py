@@ -111,10 +111,11 @@ def _collate(batch: list[Encoded], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "reasoning": reas, "outcome": outcome, "attention_mask": mask}
 
 
-def sft_loss(nll: torch.Tensor, target: torch.Tensor, outcome: torch.Tensor, outcome_weight: float) -> torch.Tensor:
-    """Eq. 5 as a token mean over the target, with the outcome tokens (reward, done) counted
-    `outcome_weight` times: a weighted mean, so 1.0 is the paper's unweighted loss."""
-    w = target.float() * torch.where(outcome, outcome_weight, 1.0)
+def sft_loss(nll: torch.Tensor, outcome: torch.Tensor, outcome_weight: float) -> torch.Tensor:
+    """Eq. 5 as a token mean over the target tokens `nll` (flat, as `target_losses` gives them), with
+    the outcome tokens (reward, done) counted `outcome_weight` times: a weighted mean, so 1.0 is the
+    paper's unweighted loss."""
+    w = torch.where(outcome, outcome_weight, 1.0)
     return (nll * w).sum() / w.sum().clamp(min=1e-8)
 
 
@@ -194,7 +195,7 @@ def train_step(model: Any, opt: torch.optim.Optimizer, batch: list[Encoded], pad
                precision: Precision | None = None, layout: str = "padded") -> float:
     """One AdamW step on the batch's Eq. 5 loss (gradients clipped to norm 1); returns the loss."""
     t = target_losses(model, batch, pad_id, precision, layout)
-    loss = sft_loss(t.nll, torch.ones_like(t.reasoning), t.outcome, outcome_weight)
+    loss = sft_loss(t.nll, t.outcome, outcome_weight)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([q for g in opt.param_groups for q in g["params"]], 1.0)
