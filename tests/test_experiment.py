@@ -24,7 +24,7 @@ from actors.envs.registry import load_or_make_splits, tasks_from_spec
 from infra.budget import StepBudget
 from infra.config import ConfigError, load_config, settings_key
 from infra.run.artifacts import cached_model
-from infra.run.experiment import load_experiment, markdown, results, row, selected
+from infra.run.experiment import base_name, load_experiment, markdown, regime_named, results, row, selected
 from infra.schema import Task
 from learner import mexp_sft, policy_sft
 from learner.weights import resolve_model, version_path
@@ -240,7 +240,7 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
     between = summary["phases"][0]["heldout_after"]
     assert between["episodes"] == summary["heldout_after"]["episodes"] == 2 and "heldout_after" not in real
     assert {t["task_id"] for t in between["per_task"]} == {t["task_id"] for t in summary["heldout_after"]["per_task"]}
-    (b,) = row("s2r", "", summary, None, "")["between_phases"]
+    (b,) = row("s2r", "", [summary], None, "")["between_phases"]
     assert b["after"] == "DreamGym" and b["gain_after"]["tasks"] == 2
     assert b["gain_after"]["diff"] == pytest.approx(summary["heldout_after"]["success_rate"] - between["success_rate"])
     assert "| after DreamGym |" in (tmp_path / "runs" / "s2r" / "report.md").read_text()
@@ -318,8 +318,8 @@ def test_a_regime_compares_to_its_own_baseline_where_it_names_one(tmp_path):
         return {"heldout_after": {"success_rate": sum(wins) / len(wins), "episodes": len(wins),
                                   "successes": sum(wins), "per_task": per_task}}
 
-    res = results(exp, {"sft": summary([0, 0, 0, 1]), "sft_strong": summary([1, 1, 0, 1]),
-                        "rl": summary([1, 0, 0, 1]), "rl_strong": summary([1, 1, 1, 1])})
+    res = results(exp, {"sft": [summary([0, 0, 0, 1])], "sft_strong": [summary([1, 1, 0, 1])],
+                        "rl": [summary([1, 0, 0, 1])], "rl_strong": [summary([1, 1, 1, 1])]})
     rows = {r["regime"]: r for r in res["regimes"]}
     assert "vs" not in rows["sft"]
     assert rows["rl"]["vs"] == "sft" and rows["rl"]["diff"] == pytest.approx(0.25)
@@ -327,6 +327,49 @@ def test_a_regime_compares_to_its_own_baseline_where_it_names_one(tmp_path):
     assert rows["sft_strong"]["vs"] == "sft" and rows["sft_strong"]["diff"] == pytest.approx(0.5)
     md = markdown(res)  # the column names sft; a row with another baseline says which
     assert "Δ vs sft (pts)" in md and "] vs sft_strong |" in md and md.count(" vs sft_strong") == 1
+
+
+def test_repeats_run_under_their_own_names_and_pool_into_one_row(tmp_path):
+    """`dreamgym experiment --repeats K` as a user runs it: the repeats of a finished regime are skipped by
+    name (<regime>.r2), --list counts them, and the results take the mean of a regime's runs with an
+    interval over runs and tasks that two disagreeing runs widen."""
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"infra": {"run_dir": str(tmp_path / "runs"), "data_dir": str(tmp_path / "data")}}))
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(yaml.safe_dump({"name": "rep", "base": str(base), "compare_to": "sft", "regimes": {
+        "sft": {}, "rl": {}, "s2r": {"continues": "rl", "overrides": ["learner.s2r_real_transitions=9"]}}},
+        sort_keys=False))
+    exp = load_experiment(spec)
+    s2r2 = regime_named(exp, "s2r.r2")  # a continuing regime's repeat continues its source's repeat
+    assert (s2r2.name, s2r2.continues, base_name(s2r2.name)) == ("s2r.r2", "rl.r2", "s2r")
+    wins = {"sft": [0] * 12 + [1] * 12, "rl": [1] * 22 + [0] * 2, "rl.r2": [0] * 10 + [1] * 14}
+    for name, w in wins.items():
+        (tmp_path / "runs" / "rep" / name).mkdir(parents=True)
+        per_task = [{"task_id": f"g{i}", "success": bool(x)} for i, x in enumerate(w)]
+        (tmp_path / "runs" / "rep" / name / "summary.json").write_text(json.dumps({"heldout_after": {
+            "success_rate": sum(w) / len(w), "episodes": len(w), "successes": sum(w), "per_task": per_task}}))
+    (tmp_path / "runs" / "rep" / "anchors").mkdir()  # the scripted choosers' cache: no game is played here
+    for policy in ("random", "expert"):
+        (tmp_path / "runs" / "rep" / "anchors" / f"{policy}.json").write_text(json.dumps(
+            {"success_rate": 0.25, "ci_low": 0.1, "ci_high": 0.4, "episodes": 24, "mean_steps": 3.0}))
+    cmd = [sys.executable, "-m", "infra.cli", "experiment", str(spec)]
+    listed = subprocess.run([*cmd, "--list"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert [line.split()[:3] for line in listed.stdout.splitlines()] == [["sft", "done"], ["rl", "done", "×2"],
+                                                                         ["s2r", "to", "run"]]
+    ran = subprocess.run([*cmd, "--only", "rl", "--repeats", "2"], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert "rl: finished earlier, skipped (1/2)" in ran.stdout and "rl.r2: finished earlier, skipped (2/2)" in ran.stdout
+    rows = {r["regime"]: r for r in json.loads((tmp_path / "runs" / "rep" / "results.json").read_text())["regimes"]}
+    assert set(rows) == {"sft", "rl"} and rows["rl"]["runs"] == [22 / 24, 14 / 24]
+    assert rows["rl"]["success_rate"] == pytest.approx(36 / 48) and rows["rl"]["diff"] == pytest.approx(36 / 48 - 0.5)
+    alone = row("rl", "", [json.loads((tmp_path / "runs" / "rep" / "rl" / "summary.json").read_text())],
+                None, "")  # the first run alone: a Wilson interval, narrower than the two runs' pooled one
+    assert rows["rl"]["ci_high"] - rows["rl"]["ci_low"] > alone["ci_high"] - alone["ci_low"]
+    assert "75.0 [" in (tmp_path / "runs" / "rep" / "results.md").read_text()
+    assert "; 2 runs: 91.7, 58.3 |" in (tmp_path / "runs" / "rep" / "results.md").read_text()
+    bad = subprocess.run([*cmd, "--repeats", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--repeats must be at least 1" in bad.stdout + bad.stderr
 
 
 def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
@@ -344,7 +387,7 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
     spec.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"extra": True}}}))
     done = {"heldout_after": {"success_rate": 1.0, "episodes": 1, "successes": 1,
                               "per_task": [{"task_id": "g", "success": True}]}}
-    res = results(load_experiment(spec), {"b": done})
+    res = results(load_experiment(spec), {"b": [done]})
     assert res["missing"] == ["a"] and [r["regime"] for r in res["regimes"]] == ["b"]
     spec.write_text(yaml.safe_dump({"regimes": {"a": {"extra": "yes"}}}))
     with pytest.raises(ConfigError, match="regimes.a.extra must be true or false"):

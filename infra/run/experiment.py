@@ -14,10 +14,14 @@ starts from that one's finished run (infra/run/fork.py), so a shared first part 
 the file's loading checks that the two differ only in what acts after that run's end.
 A regime marked `extra: true` (a variant beside the paper's table, such as the
 strong-start rows) runs only when `--only` names it, or with `--all`; the rest make the table.
+`--repeats K` trains each selected regime K times (`<regime>`, `<regime>.r2`, ...): one RL run of a
+regime has differed from the next by up to a third of the held-out games on the CPU, so one run
+per regime cannot order two regimes that close.
 
 The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
 the paired difference to the `compare_to` regime, the experiment's or a regime's own,
-with a bootstrap interval over tasks, real transitions used, synthetic transitions,
+with a bootstrap interval over tasks (and over runs, for a regime that ran more than once: its
+success is then the mean of its runs, actors/confidence.runs_bootstrap), real transitions used, synthetic transitions,
 Mexp reward accuracy and ΔR, wall time) and `success_vs_real.png` (held-out success against online real
 transitions used). Beside the regimes, the scripted random and expert choosers play the
 same held-out games (`dreamgym eval --policy random|expert`, seconds each): the floor
@@ -33,8 +37,10 @@ CPU run are small.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -46,7 +52,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from actors.confidence import compare, wilson_interval
+from actors.confidence import compare, compare_runs, wilson_interval
 from infra.config import Config, ConfigError, load_config
 from infra.run.fork import fork_run
 from infra.streams import run_prefix
@@ -170,6 +176,34 @@ def finished(exp: Experiment, regime: Regime) -> dict | None:
     return summary if summary.get("heldout_after") is not None else None
 
 
+REPEAT = re.compile(r"^(.+)\.r(\d+)$")  # a repeat's run name: <regime>.r<i>, i >= 2
+
+
+def repeat(regime: Regime, i: int) -> Regime:
+    """The i-th run of a regime (1: the regime itself); a continuing regime's i-th run continues its source's i-th."""
+    if i == 1:
+        return regime
+    return dataclasses.replace(regime, name=f"{regime.name}.r{i}",
+                               continues=f"{regime.continues}.r{i}" if regime.continues else "")
+
+
+def regime_named(exp: Experiment, name: str) -> Regime:
+    """A regime, or one of its repeats, by run name."""
+    m = REPEAT.match(name)
+    base, i = (m.group(1), int(m.group(2))) if m else (name, 1)
+    return repeat(next(r for r in exp.regimes if r.name == base), i)
+
+
+def runs_of(exp: Experiment, regime: Regime) -> list[dict]:
+    """The summaries of a regime's finished runs: the regime's own, then its repeats' in order."""
+    found = [(1, regime)]
+    for path in run_dir(exp).glob(f"{regime.name}.r*"):
+        m = REPEAT.match(path.name)
+        if m and m.group(1) == regime.name:
+            found.append((int(m.group(2)), repeat(regime, int(m.group(2)))))
+    return [s for _, r in sorted(found, key=lambda x: x[0]) if (s := finished(exp, r)) is not None]
+
+
 def run_regime(exp: Experiment, regime: Regime, console: Console, resume: bool = False) -> dict:
     """One regime as a `dreamgym train` child process (`--resume`: from its latest checkpoint); its summary.
     Output goes to <regime>/train.log."""
@@ -214,22 +248,33 @@ def run_anchors(exp: Experiment, console: Console) -> dict[str, dict]:
     return reports
 
 
-def row(name: str, about: str, s: dict, baseline: dict | None, baseline_name: str) -> dict:
-    """One regime's line of the results: success and its interval, the paired difference, the costs."""
+def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, baseline_name: str) -> dict:
+    """One regime's line of the results: success and its interval, the paired difference, the costs.
+
+    `runs` (and `baseline`) hold the summaries of each of the regime's runs. One run: its success with
+    a Wilson interval. Several: their mean, with a bootstrap interval over runs and tasks; the costs
+    and the Mexp's fidelity are then the first run's, and `runs` lists each run's success."""
+    s = runs[0]
     after = s["heldout_after"]
     k, n = after.get("successes", round(after["success_rate"] * after["episodes"])), after["episodes"]
     lo, hi = wilson_interval(int(k), int(n))
+    rates = [r["heldout_after"]["success_rate"] for r in runs]
+    if len(runs) > 1:
+        pooled = compare_runs([r["heldout_after"].get("per_task", []) for r in runs])
+        lo, hi = pooled.ci_low, pooled.ci_high
     tr = s.get("transitions", {})
     fid = s.get("mexp_fidelity") or {}
-    out = {"regime": name, "about": about, "success_rate": after["success_rate"], "ci_low": lo, "ci_high": hi,
+    out = {"regime": name, "about": about, "success_rate": sum(rates) / len(rates), "ci_low": lo, "ci_high": hi,
+           "runs": rates,
            "episodes": n, "updates": s.get("updates", 0), "real_transitions": tr.get("online_real", 0),
            "offline_real_transitions": tr.get("offline_real", 0), "synthetic_transitions": tr.get("synthetic", 0),
            "mexp_reward_accuracy": fid.get("reward_accuracy"), "mexp_delta_r": fid.get("delta_r_mean"),
            "mexp_reward_recall": fid.get("reward_recall"), "mexp_reward_precision": fid.get("reward_precision"),
            "mexp_below_threshold": fid.get("below_threshold"), "wall_seconds": s.get("total_seconds"),
            "train_seconds": s.get("train_seconds")}
-    if baseline is not None and name != baseline_name:
-        d = compare(after.get("per_task", []), baseline["heldout_after"].get("per_task", []))
+    if baseline and name != baseline_name:
+        d = compare_runs([r["heldout_after"].get("per_task", []) for r in runs],
+                         [b["heldout_after"].get("per_task", []) for b in baseline])
         out.update({"vs": baseline_name, "diff": d.diff, "diff_ci_low": d.ci_low, "diff_ci_high": d.ci_high,
                     "diff_tasks": d.tasks, "diff_excludes_zero": d.excludes_zero})
     # Sim-to-real evaluates between its phases: what its synthetic phase alone reached, and what the
@@ -246,11 +291,12 @@ def _paired(a: dict, b: dict) -> dict:
     return {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks}
 
 
-def results(exp: Experiment, summaries: dict[str, dict], anchors: dict[str, dict] | None = None) -> dict:
+def results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str, dict] | None = None) -> dict:
+    """The experiment's results from each regime's finished runs (`runs_of`)."""
     rows = [row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs)
-            for r in exp.regimes if r.name in summaries]
+            for r in exp.regimes if summaries.get(r.name)]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
-            "regimes": rows, "missing": [r.name for r in exp.regimes if r.name not in summaries and not r.extra],
+            "regimes": rows, "missing": [r.name for r in exp.regimes if not summaries.get(r.name) and not r.extra],
             "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
                         for p, a in (anchors or {}).items()}}
 
@@ -261,6 +307,12 @@ def _diff(r: dict, column: str) -> str:
         return "–"
     vs = "" if r["vs"] == column else f" vs {r['vs']}"
     return f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]{vs}"
+
+
+def _runs(r: dict) -> str:
+    """A regime's runs, where it has more than one: '; 2 runs: 91.7, 58.3'."""
+    runs = r.get("runs", [])
+    return f"; {len(runs)} runs: {', '.join(_pct(x) for x in runs)}" if len(runs) > 1 else ""
 
 
 def _pct(x: Any) -> str:
@@ -279,7 +331,7 @@ def markdown(res: dict) -> str:
         if r.get("mexp_reward_recall") is not None:  # runs from before recall was measured have none
             acc += f"; recall {_pct(r['mexp_reward_recall'])}, precision {_pct(r.get('mexp_reward_precision'))}"
         dr = "–" if r["mexp_delta_r"] is None else f"{r['mexp_delta_r']:.3f}"
-        lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}] "
+        lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]{_runs(r)} "
                      f"| {diff} | {r['real_transitions']} | {r['synthetic_transitions']} | {r['updates']} | {acc} "
                      f"| {dr} | {r['wall_seconds'] or 0:.0f} |")
     for r in res["regimes"]:
@@ -295,7 +347,9 @@ def markdown(res: dict) -> str:
     if res["missing"]:
         lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
     lines += ["", f"{res['regimes'][0]['episodes'] if res['regimes'] else 0} held-out episodes per regime; "
-                  "the paired Δ resamples tasks (bootstrap, 10,000 draws)."]
+                  "the paired Δ resamples tasks (bootstrap, 10,000 draws). A regime trained more than once "
+                  "(--repeats) shows the mean of its runs, each run's success after it, and intervals that "
+                  "resample its runs as well as the tasks; its costs are its first run's."]
     return "\n".join(lines) + "\n"
 
 
@@ -326,7 +380,7 @@ def plot(res: dict, path: Path) -> Path:
     return path
 
 
-def write_results(exp: Experiment, summaries: dict[str, dict], anchors: dict[str, dict] | None = None) -> dict:
+def write_results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str, dict] | None = None) -> dict:
     res = results(exp, summaries, anchors)
     out = run_dir(exp)
     out.mkdir(parents=True, exist_ok=True)
@@ -343,7 +397,7 @@ def print_table(res: dict, console: Console) -> None:
         t.add_column(col, justify="right")
     for r in res["regimes"]:
         diff = _diff(r, res["compare_to"])
-        t.add_row(r["regime"], f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
+        t.add_row(r["regime"] + (f" ×{len(r['runs'])}" if len(r.get("runs", [])) > 1 else ""), f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
                   str(r["real_transitions"]), str(r["synthetic_transitions"]), f"{r['wall_seconds'] or 0:.0f}")
     console.print(t)
 
@@ -353,13 +407,13 @@ def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[s
     that died before its first, starts clean (a run dir holds its buffer, weights and Redis). A regime that
     `continues` another starts from that one's finished run (run first if it has not finished)."""
     old = run_dir(exp) / regime.name
-    last = checkpoint.latest(old) if old.exists() and regime.name not in rerun else None
+    last = checkpoint.latest(old) if old.exists() and base_name(regime.name) not in rerun else None
     if last is not None:
         console.print(f"{regime.name}: resuming from {last}")
     elif old.exists():
         old.rename(old.with_name(f"{regime.name}.old-{time.strftime('%Y%m%d-%H%M%S')}"))
     if last is None and regime.continues:
-        source = next(r for r in exp.regimes if r.name == regime.continues)
+        source = regime_named(exp, regime.continues)
         done = finished(exp, source)
         if done is None:
             console.print(f"{regime.name} continues {source.name}, which has not finished: running it first")
@@ -388,6 +442,12 @@ def prefix(exp: Experiment, regime: Regime) -> str:
     return run_prefix(exp.config(regime).infra.stream_prefix, regime.name)
 
 
+def base_name(run_name: str) -> str:
+    """The regime a run belongs to: `dreamgym_grpo` for `dreamgym_grpo.r2`."""
+    m = REPEAT.match(run_name)
+    return m.group(1) if m else run_name
+
+
 def selected(exp: Experiment, only: list[str], everything: bool = False) -> list[Regime]:
     """The regimes a run takes on, in file order: those named in `only` (extra ones included), else the
     table's (every regime not marked `extra`; with `everything`, the extra ones too)."""
@@ -403,6 +463,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="", help="comma-separated regimes to run, extra ones included (default: every "
                                               "regime of the table, in file order)")
     p.add_argument("--all", action="store_true", help="run the extra regimes too (those marked `extra: true`)")
+    p.add_argument("--repeats", type=int, default=1, help="train each selected regime this many times, as <regime>, "
+                   "<regime>.r2, ... (default 1); the results take the mean of a regime's finished runs, with "
+                   "intervals over runs and tasks")
     p.add_argument("--rerun", default="", help="comma-separated regimes to run again even if finished")
     p.add_argument("--list", action="store_true", help="list the regimes and their status, run nothing")
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
@@ -417,22 +480,25 @@ def run(args: argparse.Namespace) -> int:
     for x in [*only, *rerun]:
         if x not in names:
             raise ConfigError(f"--only/--rerun: {x!r} is not a regime of {exp.name} ({', '.join(sorted(names))})")
-    todo = selected(exp, only, args.all)
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
+    todo = [repeat(r, i) for i in range(1, args.repeats + 1) for r in selected(exp, only, args.all)]
     if args.list:
         for r in exp.regimes:
-            state = "done" if finished(exp, r) else "to run"
+            done = len(runs_of(exp, r))
+            state = "to run" if not done else "done" if done == 1 else f"done ×{done}"
             console.print(f"{r.name:>28}  {state:7}  {'extra  ' if r.extra else ''}{r.about}",
                           markup=False, highlight=False)
         return 0
     t0 = time.time()
     if not args.report:
         for i, r in enumerate(todo, 1):
-            if finished(exp, r) and r.name not in rerun:
+            if finished(exp, r) and base_name(r.name) not in rerun:
                 console.print(f"[dim]{r.name}: finished earlier, skipped ({i}/{len(todo)})[/]")
                 continue
             console.rule(f"regime {i}/{len(todo)}: {r.name}")
             start_regime(exp, r, console, rerun)
-    summaries = {r.name: s for r in exp.regimes if (s := finished(exp, r)) is not None}
+    summaries = {r.name: runs for r in exp.regimes if (runs := runs_of(exp, r))}
     res = write_results(exp, summaries, run_anchors(exp, console))
     print_table(res, console)
     console.print(f"results: {run_dir(exp) / 'results.md'} ({time.time() - t0:.0f} s)")
