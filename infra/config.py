@@ -76,6 +76,11 @@ ALFWORLD_TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_cl
                        "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
 
 
+def rl_seed(infra: "InfraConfig") -> int:
+    """The seed of a run's own draws (action sampling, the curriculum): infra.seed itself at run_seed 0."""
+    return infra.seed + 7919 * infra.run_seed
+
+
 def redact_url(url: str | None) -> str:
     """A URL safe to log: user and password, and secret query parameters, replaced by '***'."""
     if not url:
@@ -135,7 +140,8 @@ class InfraConfig:
     stream_maxlen: int = _f(100_000, "Approximate MAXLEN bound of each stream (XADD MAXLEN ~).", POSITIVE)
     reclaim_idle_ms: int = _f(30_000, "A consumer's pending entry idle this long is reclaimed by another (XAUTOCLAIM).", POSITIVE)
     max_deliveries: int = _f(5, "Times a stream message (task or trajectory) may be handled without success (a handler error, or a consumer that died on it) before it moves to the dead-letter stream <stream>:dead with the last error.", POSITIVE)
-    seed: int = _f(0, "Global random seed.")
+    seed: int = _f(0, "Global random seed: the generated games, the splits, the offline data and the warm starts (and so every cache key), and each run's own draws unless run_seed says otherwise.")
+    run_seed: int = _f(0, "One training run's own seed beside infra.seed: the rollout workers' action sampling and the curriculum's draws (rl_seed), with the data and the caches left as infra.seed made them. `dreamgym experiment --repeats K` gives a regime's i-th run run_seed i-1.", NON_NEGATIVE)
     train_budget_s: float = _f(0.0, "Wall-clock seconds the driver gives the RL phase (0 = until learner.total_updates); when spent, training stops and the evaluation runs.", NON_NEGATIVE)
 
 

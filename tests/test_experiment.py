@@ -342,6 +342,8 @@ def test_repeats_run_under_their_own_names_and_pool_into_one_row(tmp_path):
     exp = load_experiment(spec)
     s2r2 = regime_named(exp, "s2r.r2")  # a continuing regime's repeat continues its source's repeat
     assert (s2r2.name, s2r2.continues, base_name(s2r2.name)) == ("s2r.r2", "rl.r2", "s2r")
+    assert exp.config(s2r2).infra.run_seed == 1 and exp.config(regime_named(exp, "s2r")).infra.run_seed == 0
+    assert exp.config(s2r2).learner.s2r_real_transitions == 9  # the regime's own overrides stay
     wins = {"sft": [0] * 12 + [1] * 12, "rl": [1] * 22 + [0] * 2, "rl.r2": [0] * 10 + [1] * 14}
     for name, w in wins.items():
         (tmp_path / "runs" / "rep" / name).mkdir(parents=True)

@@ -7,9 +7,11 @@ an engine (the policy engine and the experience model are not called).
 
 from __future__ import annotations
 
+import dataclasses
+
 from actors.envs.textworld_env import TextWorldEnv
 from actors.policy import ChoicePolicy
-from infra.config import Config
+from infra.config import Config, rl_seed
 from infra.run.workers import make_env_factory, make_policy, worker_seed, write_back_sink
 from simulator.synthetic_env import SyntheticEnv
 
@@ -47,6 +49,10 @@ def test_policy_seed_is_per_worker_and_write_back_only_for_synthetic_rollouts():
     assert isinstance(policy, ChoicePolicy) and policy.temperature == cfg.actors.temperature
     assert worker_seed(0, "w1") != worker_seed(0, "w2") and worker_seed(0, "w1") != worker_seed(1, "w1")
     assert make_policy(cfg, "c", "t", "w1").rng.random() == make_policy(cfg, "c", "t", "w1").rng.random()
+    # another run seed (a repeat of an experiment regime) samples other actions on the same data
+    again = dataclasses.replace(cfg, infra=dataclasses.replace(cfg.infra, run_seed=1))
+    assert make_policy(again, "c", "t", "w1").rng.random() != make_policy(cfg, "c", "t", "w1").rng.random()
+    assert rl_seed(cfg.infra) == cfg.infra.seed and rl_seed(again.infra) != cfg.infra.seed
     buffer = object()
     assert write_back_sink(cfg, buffer) is buffer
     cfg.simulator.write_back = False

@@ -50,7 +50,7 @@ from rich.console import Console
 from actors.evaluate import choice_policy_chooser, evaluate
 from actors.policy import ChoicePolicy
 from infra.budget import StepBudget, run_counts
-from infra.config import Config, add_config_arguments, config_from_args, settings_key
+from infra.config import Config, add_config_arguments, config_from_args, rl_seed, settings_key
 from infra.run import artifacts, report
 from infra.run.cluster.learner_actor import LearnerHandle
 from infra.run.monitoring import record_success_gap
@@ -369,7 +369,7 @@ def make_curriculum(cfg: Config, svc: Services, seeds: list) -> CurriculumSchedu
     if mtask:
         embedder = getattr(svc.buffer, "embedder", None) or Embedder(cache_path=artifacts.embedding_cache(cfg))
         variants = TaskVariantGenerator(svc.mexp, svc.tokenizer, cfg.curriculum, embedder)
-    return CurriculumScheduler(svc.client, cfg.curriculum, svc.prefix, seeds, variants=variants, seed=cfg.infra.seed,
+    return CurriculumScheduler(svc.client, cfg.curriculum, svc.prefix, seeds, variants=variants, seed=rl_seed(cfg.infra),
                                stream_maxlen=cfg.infra.stream_maxlen)
 
 

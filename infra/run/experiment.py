@@ -180,10 +180,12 @@ REPEAT = re.compile(r"^(.+)\.r(\d+)$")  # a repeat's run name: <regime>.r<i>, i 
 
 
 def repeat(regime: Regime, i: int) -> Regime:
-    """The i-th run of a regime (1: the regime itself); a continuing regime's i-th run continues its source's i-th."""
+    """The i-th run of a regime (1: the regime itself), with run seed i-1 (`infra.run_seed`: its own action
+    sampling and curriculum draws, the same data and caches); a continuing regime's i-th run continues its
+    source's i-th."""
     if i == 1:
         return regime
-    return dataclasses.replace(regime, name=f"{regime.name}.r{i}",
+    return dataclasses.replace(regime, name=f"{regime.name}.r{i}", overrides=[*regime.overrides, f"infra.run_seed={i - 1}"],
                                continues=f"{regime.continues}.r{i}" if regime.continues else "")
 
 

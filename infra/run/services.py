@@ -39,7 +39,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import ray
 
-from infra.config import Config, dump
+from infra.config import Config, dump, rl_seed
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.engine.server import default_weights_roots, start_embedded_engine
@@ -223,7 +223,7 @@ class Services:
         cfg = self.cfg
         opts = on_node(placement_options("scheduler", self.ray_resources(), num_cpus=0.25), driver_node_id(), soft=True)
         make_variants = VariantSource(cfg, self.mexp.urls) if variants and self.mexp is not None else None
-        actor = spawn_scheduler(self.redis_url, self.prefix, cfg.curriculum, seeds, make_variants, seed=cfg.infra.seed,
+        actor = spawn_scheduler(self.redis_url, self.prefix, cfg.curriculum, seeds, make_variants, seed=rl_seed(cfg.infra),
                                 options=opts, stream_maxlen=cfg.infra.stream_maxlen,
                                 redis_tls_ca=cfg.infra.redis_tls_ca)
         self._stack.callback(kill_actor, actor)

@@ -36,7 +36,7 @@ from actors.envs.registry import make_env
 from actors.policy import ChoicePolicy
 from actors.rollout_worker import EnvFactory, RolloutWorker
 from infra import metrics
-from infra.config import Config
+from infra.config import Config, rl_seed
 from infra.streams import key, stream_backlog, tasks_stream, with_retry
 from simulator.synthetic_env import SyntheticEnv
 
@@ -58,7 +58,7 @@ def worker_seed(seed: int, worker_id: str) -> int:
 
 def make_policy(cfg: Config, policy_client: Any, tokenizer: Any, worker_id: str) -> ChoicePolicy:
     """One worker's policy: labelled choices sampled through the policy engines."""
-    return ChoicePolicy(policy_client, tokenizer, cfg.actors.temperature, seed=worker_seed(cfg.infra.seed, worker_id),
+    return ChoicePolicy(policy_client, tokenizer, cfg.actors.temperature, seed=worker_seed(rl_seed(cfg.infra), worker_id),
                         multi_turn=cfg.actors.multi_turn, max_chat_chars=cfg.actors.chat_max_chars,
                         action_mode=cfg.actors.action_mode)
 
