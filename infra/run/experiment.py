@@ -189,10 +189,15 @@ def repeat(regime: Regime, i: int) -> Regime:
                                continues=f"{regime.continues}.r{i}" if regime.continues else "")
 
 
+def split_run_name(run_name: str) -> tuple[str, int]:
+    """A run name's regime and repeat: ('dreamgym_grpo', 2) for `dreamgym_grpo.r2`, (name, 1) for a regime's own."""
+    m = REPEAT.match(run_name)
+    return (m.group(1), int(m.group(2))) if m else (run_name, 1)
+
+
 def regime_named(exp: Experiment, name: str) -> Regime:
     """A regime, or one of its repeats, by run name."""
-    m = REPEAT.match(name)
-    base, i = (m.group(1), int(m.group(2))) if m else (name, 1)
+    base, i = split_run_name(name)
     return repeat(next(r for r in exp.regimes if r.name == base), i)
 
 
@@ -200,9 +205,9 @@ def runs_of(exp: Experiment, regime: Regime) -> list[dict]:
     """The summaries of a regime's finished runs: the regime's own, then its repeats' in order."""
     found = [(1, regime)]
     for path in run_dir(exp).glob(f"{regime.name}.r*"):
-        m = REPEAT.match(path.name)
-        if m and m.group(1) == regime.name:
-            found.append((int(m.group(2)), repeat(regime, int(m.group(2)))))
+        base, i = split_run_name(path.name)
+        if base == regime.name and i > 1:
+            found.append((i, repeat(regime, i)))
     return [s for _, r in sorted(found, key=lambda x: x[0]) if (s := finished(exp, r)) is not None]
 
 
@@ -259,9 +264,10 @@ def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, ba
     s = runs[0]
     after = s["heldout_after"]
     k, n = after.get("successes", round(after["success_rate"] * after["episodes"])), after["episodes"]
-    lo, hi = wilson_interval(int(k), int(n))
     rates = [r["heldout_after"]["success_rate"] for r in runs]
-    if len(runs) > 1:
+    if len(runs) == 1:
+        lo, hi = wilson_interval(int(k), int(n))
+    else:
         pooled = compare_runs([r["heldout_after"].get("per_task", []) for r in runs])
         lo, hi = pooled.ci_low, pooled.ci_high
     tr = s.get("transitions", {})
@@ -399,7 +405,8 @@ def print_table(res: dict, console: Console) -> None:
         t.add_column(col, justify="right")
     for r in res["regimes"]:
         diff = _diff(r, res["compare_to"])
-        t.add_row(r["regime"] + (f" ×{len(r['runs'])}" if len(r.get("runs", [])) > 1 else ""), f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
+        name = r["regime"] + (f" ×{len(r['runs'])}" if len(r.get("runs", [])) > 1 else "")
+        t.add_row(name, f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
                   str(r["real_transitions"]), str(r["synthetic_transitions"]), f"{r['wall_seconds'] or 0:.0f}")
     console.print(t)
 
@@ -446,8 +453,7 @@ def prefix(exp: Experiment, regime: Regime) -> str:
 
 def base_name(run_name: str) -> str:
     """The regime a run belongs to: `dreamgym_grpo` for `dreamgym_grpo.r2`."""
-    m = REPEAT.match(run_name)
-    return m.group(1) if m else run_name
+    return split_run_name(run_name)[0]
 
 
 def selected(exp: Experiment, only: list[str], everything: bool = False) -> list[Regime]:
