@@ -24,7 +24,8 @@ from actors.envs.registry import load_or_make_splits, tasks_from_spec
 from infra.budget import StepBudget
 from infra.config import ConfigError, load_config, settings_key
 from infra.run.artifacts import cached_model
-from infra.run.experiment import base_name, load_experiment, markdown, regime_named, results, row, selected
+from infra.run.experiment import (base_name, identical_repeats, load_experiment, markdown, regime_named, results, row,
+                                  selected)
 from infra.schema import Task
 from learner import mexp_sft, policy_sft
 from learner.weights import resolve_model, version_path
@@ -337,7 +338,8 @@ def test_repeats_run_under_their_own_names_and_pool_into_one_row(tmp_path):
     base.write_text(yaml.safe_dump({"infra": {"run_dir": str(tmp_path / "runs"), "data_dir": str(tmp_path / "data")}}))
     spec = tmp_path / "exp.yaml"
     spec.write_text(yaml.safe_dump({"name": "rep", "base": str(base), "compare_to": "sft", "regimes": {
-        "sft": {}, "rl": {}, "s2r": {"continues": "rl", "overrides": ["learner.s2r_real_transitions=9"]}}},
+        "sft": {"overrides": ["learner.total_updates=0"]}, "rl": {},
+        "s2r": {"continues": "rl", "overrides": ["learner.s2r_real_transitions=9"]}}},
         sort_keys=False))
     exp = load_experiment(spec)
     s2r2 = regime_named(exp, "s2r.r2")  # a continuing regime's repeat continues its source's repeat
@@ -359,9 +361,12 @@ def test_repeats_run_under_their_own_names_and_pool_into_one_row(tmp_path):
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert [line.split()[:3] for line in listed.stdout.splitlines()] == [["sft", "done"], ["rl", "done", "×2"],
                                                                          ["s2r", "to", "run"]]
-    ran = subprocess.run([*cmd, "--only", "rl", "--repeats", "2"], capture_output=True, text=True, timeout=300)
+    ran = subprocess.run([*cmd, "--only", "sft,rl", "--repeats", "2"], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
-    assert "rl: finished earlier, skipped (1/2)" in ran.stdout and "rl.r2: finished earlier, skipped (2/2)" in ran.stdout
+    assert "rl: finished earlier, skipped (2/3)" in ran.stdout and "rl.r2: finished earlier, skipped (3/3)" in ran.stdout
+    # SFT alone (no update, greedy evaluation) would repeat itself exactly: it runs once, and says so
+    assert "sft: finished earlier, skipped (1/3)" in ran.stdout and "sft.r2" not in ran.stdout
+    assert "sft: no RL update and greedy evaluation" in " ".join(ran.stdout.split())
     rows = {r["regime"]: r for r in json.loads((tmp_path / "runs" / "rep" / "results.json").read_text())["regimes"]}
     assert set(rows) == {"sft", "rl"} and rows["rl"]["runs"] == [22 / 24, 14 / 24]
     assert rows["rl"]["success_rate"] == pytest.approx(36 / 48) and rows["rl"]["diff"] == pytest.approx(36 / 48 - 0.5)
@@ -381,6 +386,8 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
     assert table == ["base", "sft", "dreamgym_grpo", "real_grpo", "dreamgym_s2r", "real_ppo", "dreamgym_ppo",
                      "no_retrieval", "no_reasoning", "no_curriculum", "no_writeback"]
     assert [r.name for r in selected(exp, ["sft_strong", "sft"])] == ["sft", "sft_strong"]  # file order
+    # the untrained and warm-started policies, evaluated greedily, are the same in every repeat
+    assert [r.name for r in exp.regimes if identical_repeats(exp, r)] == ["base", "sft", "sft_long", "sft_strong"]
     assert len(selected(exp, [], everything=True)) == len(exp.regimes) > len(table)
     # an extra regime that has not run is not missing from the table; a finished one is reported
     res = results(exp, {})

@@ -189,6 +189,13 @@ def repeat(regime: Regime, i: int) -> Regime:
                                continues=f"{regime.continues}.r{i}" if regime.continues else "")
 
 
+def identical_repeats(exp: Experiment, regime: Regime) -> bool:
+    """True when a regime's repeats would reproduce its first run: no RL update (the warm start is cached by
+    content, so a repeat loads the same weights) and greedy evaluation (run_seed then draws nothing)."""
+    cfg = exp.config(regime)
+    return cfg.learner.total_updates == 0 and cfg.evaluation.temperature == 0
+
+
 def split_run_name(run_name: str) -> tuple[str, int]:
     """A run name's regime and repeat: ('dreamgym_grpo', 2) for `dreamgym_grpo.r2`, (name, 1) for a regime's own."""
     m = REPEAT.match(run_name)
@@ -473,7 +480,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="run the extra regimes too (those marked `extra: true`)")
     p.add_argument("--repeats", type=int, default=1, help="train each selected regime this many times, as <regime>, "
                    "<regime>.r2, ... (default 1); the results take the mean of a regime's finished runs, with "
-                   "intervals over runs and tasks")
+                   "intervals over runs and tasks; a regime without an RL update, evaluated greedily (base, sft), "
+                   "runs once, as its repeats would be identical")
     p.add_argument("--rerun", default="", help="comma-separated regimes to run again even if finished")
     p.add_argument("--list", action="store_true", help="list the regimes and their status, run nothing")
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
@@ -490,7 +498,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--only/--rerun: {x!r} is not a regime of {exp.name} ({', '.join(sorted(names))})")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
-    todo = [repeat(r, i) for i in range(1, args.repeats + 1) for r in selected(exp, only, args.all)]
+    chosen = selected(exp, only, args.all)
+    once = [r.name for r in chosen if args.repeats > 1 and identical_repeats(exp, r)]
+    todo = [repeat(r, i) for i in range(1, args.repeats + 1) for r in chosen if i == 1 or r.name not in once]
     if args.list:
         for r in exp.regimes:
             done = len(runs_of(exp, r))
@@ -499,6 +509,9 @@ def run(args: argparse.Namespace) -> int:
                           markup=False, highlight=False)
         return 0
     t0 = time.time()
+    if once and not args.report:
+        console.print(f"[dim]{', '.join(once)}: no RL update and greedy evaluation, so a repeat would reproduce "
+                      "the first run: run once[/]")
     if not args.report:
         for i, r in enumerate(todo, 1):
             if finished(exp, r) and base_name(r.name) not in rerun:
