@@ -509,10 +509,10 @@ def run(args: argparse.Namespace) -> int:
                           markup=False, highlight=False)
         return 0
     t0 = time.time()
-    if once and not args.report:
-        console.print(f"[dim]{', '.join(once)}: no RL update and greedy evaluation, so a repeat would reproduce "
-                      "the first run: run once[/]")
     if not args.report:
+        if once:
+            console.print(f"[dim]{', '.join(once)}: no RL update and greedy evaluation, so a repeat would reproduce "
+                          "the first run: run once[/]")
         for i, r in enumerate(todo, 1):
             if finished(exp, r) and base_name(r.name) not in rerun:
                 console.print(f"[dim]{r.name}: finished earlier, skipped ({i}/{len(todo)})[/]")
