@@ -151,3 +151,11 @@ def test_gpu_lease_prepare_makes_the_data_and_embeds_every_offline_transition(tm
     with sqlite3.connect(data / ".cache" / "embeddings.sqlite") as db:
         tables = [r[0] for r in db.execute("select name from sqlite_master where type='table'")]
         assert db.execute(f"select count(*) from {tables[0]}").fetchone()[0] == steps
+
+
+def test_curriculum_sampling_runs_and_prints_its_ratios():
+    """The real scheduler against a real Redis, three samplers on simulated outcomes."""
+    out = run_benchmark("curriculum_sampling.py", "--runs", "2", "--seeds", "16", "--informative", "8")
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines[:3]] == ["uniform", "draw", "pass"], out
+    assert "pass/draw ratios: groups played" in lines[-1] and "load " in lines[-1]

@@ -12,8 +12,8 @@ from infra.config import CurriculumConfig
 from infra.schema import Task, decode_as
 from infra.streams import connect, tasks_stream
 from infra.task_stats import TaskStats, TaskStatsStore
-from simulator.curriculum import (CurriculumScheduler, generated_quota, rank_tasks, selection_weights, task_value,
-                                  variance_summary, weighted_sample)
+from simulator.curriculum import (CurriculumScheduler, generated_quota, pass_order, rank_tasks, selection_weights,
+                                  task_value, variance_summary, weighted_sample)
 
 
 def stats_from(groups: dict[str, list[list[float]]]) -> dict[str, TaskStats]:
@@ -152,6 +152,45 @@ async def test_scheduler_prefers_high_variance_tasks_from_redis_stats(redis_url)
     sched = CurriculumScheduler(client, cfg, "pref", _seeds(3), seed=0)
     picks = [(await sched.next_batch())[0].task_id for _ in range(300)]
     assert picks.count("seed-0") / 300 == pytest.approx(1 / 1.2, abs=0.07)
+    await client.aclose()
+
+
+def test_a_pass_keeps_each_item_once_with_probability_its_weight():
+    items, weights = ["sure", "never", "half", "tenth"], [1.0, 0.0, 0.5, 0.1]
+    rng = random.Random(0)
+    passes = [pass_order(items, weights, rng) for _ in range(4000)]
+    assert all(len(p) == len(set(p)) for p in passes)  # without replacement within a pass
+    kept = {t: sum(t in p for p in passes) / len(passes) for t in items}
+    assert kept["sure"] == 1.0 and kept["never"] == 0.0
+    assert kept["half"] == pytest.approx(0.5, abs=0.03) and kept["tenth"] == pytest.approx(0.1, abs=0.02)
+    firsts = [p[0] for p in passes if len(p) == 2 and set(p) == {"sure", "half"}]
+    assert firsts.count("sure") / len(firsts) == pytest.approx(0.5, abs=0.05)  # the order is random
+
+
+async def test_pass_sampling_plays_no_seed_twice_before_every_kept_one_once(redis_url):
+    client = connect(redis_url)
+    store = TaskStatsStore(client, "pass")
+    cfg = CurriculumConfig(batch_size=1, lam=0.0, min_weight=0.0, sampling="pass")
+    sched = CurriculumScheduler(client, cfg, "pass", _seeds(6), seed=3)
+    first = [(await sched.next_batch())[0].task_id for _ in range(6)]
+    assert sorted(first) == [f"seed-{i}" for i in range(6)]  # unseen seeds weigh 1: a permutation
+    for i in range(6):  # seeds 0-2 never vary (weight min_weight = 0), 3-5 are balanced (weight 1)
+        await store.record_group(f"seed-{i}", [1, 0, 1, 0] if i >= 3 else [0, 0, 0, 0])
+    assert not sched._passes["seed"]  # the first pass is spent: the next starts on these statistics
+    picks = [(await sched.next_batch())[0].task_id for _ in range(30)]
+    for k in range(0, 30, 3):  # every pass is exactly the three balanced seeds, in some order
+        assert sorted(picks[k:k + 3]) == ["seed-3", "seed-4", "seed-5"], picks
+    await client.aclose()
+
+
+async def test_a_pass_that_keeps_nothing_still_hands_out_a_batch(redis_url):
+    client = connect(redis_url)
+    store = TaskStatsStore(client, "empty")
+    for i in range(3):
+        await store.record_group(f"seed-{i}", [1, 1, 1, 1])
+    sched = CurriculumScheduler(client, CurriculumConfig(batch_size=2, lam=0.0, min_weight=0.0), "empty", _seeds(3))
+    batch = await asyncio.wait_for(sched.next_batch(), 5)
+    assert len(batch) == 2 and {t.task_id for t in batch} <= {"seed-0", "seed-1", "seed-2"}
     await client.aclose()
 
 
