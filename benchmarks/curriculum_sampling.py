@@ -18,9 +18,12 @@ Outcomes are *simulated*, so the figures show the scheduler, not a policy: each 
 fixed success probability (30 % never solved, 30 % solved 95 % of the time, 40 % uniform in
 [0.2, 0.8]: with groups of 4 that sets about 64 % of uniform groups aside, as the real runs of
 docs/experiments.md footnote 24 did), groups of G 0/1 rewards are written to Redis as the rollout
-workers write them. No Mtask (variants_per_seed 0): this isolates the draws.
+workers write them. No Mtask runs: with `--variants N`, N generated tasks (success rates drawn
+alike) join the pool at the start, as accepted Mtask variants would, and the λ cap
+(`curriculum.lam`, 0.3) lets them in; the last columns then say how many groups went to variants
+and the most on one variant. The uniform sampler (the ablation) never plays variants.
 
-    python benchmarks/curriculum_sampling.py [--runs 100] [--seeds 64] [--informative 40]
+    python benchmarks/curriculum_sampling.py [--runs 100] [--seeds 64] [--informative 40] [--variants 8]
 """
 
 from __future__ import annotations
@@ -56,14 +59,20 @@ def success_rates(n: int, rng: random.Random) -> list[float]:
     return out
 
 
-async def one_run(client, sampler: str, run: int, args: argparse.Namespace) -> tuple[int, int, int, int]:
-    """(groups played, distinct seeds among the informative groups, most groups on one, seeds played)."""
+async def one_run(client, sampler: str, run: int, args: argparse.Namespace) -> list[float]:
+    """[groups played, distinct seeds among the informative groups, most groups on one of them, seeds played,
+    groups on variants, most groups on one variant]."""
     rng = random.Random(run)  # the same games and outcomes stream for every sampler
     p = dict(zip((f"seed-{i}" for i in range(args.seeds)), success_rates(args.seeds, rng)))
     seeds = [Task(task_id=t, family="bench", instruction=f"game {t}") for t in p]
+    variants = [Task(task_id=f"v-{i}", family="bench", instruction=f"variant {i}", parent_id=f"seed-{i}",
+                     generated=True) for i in range(args.variants)]
+    p.update(zip((v.task_id for v in variants), success_rates(args.variants, rng)))
     prefix = f"bench:{sampler}:{run}"
     cfg = CurriculumConfig(batch_size=args.batch_size, variants_per_seed=0, **SAMPLERS[sampler])
     sched = CurriculumScheduler(client, cfg, prefix, seeds, seed=run)
+    await sched.start()
+    await sched.pool.add(variants)
     stats = TaskStatsStore(client, prefix, cfg.recent_groups)
     played: list[str] = []
     informative: list[str] = []
@@ -74,8 +83,11 @@ async def one_run(client, sampler: str, run: int, args: argparse.Namespace) -> t
             played.append(task.task_id)
             if group_variance(rewards) > 0:
                 informative.append(task.task_id)
-    trained = informative[: args.informative]
-    return len(played), len(set(trained)), max(trained.count(t) for t in set(trained)), len(set(played))
+    trained = [t for t in informative[: args.informative] if t.startswith("seed-")]
+    on_variants = [t for t in played if t.startswith("v-")]
+    return [len(played), len(set(trained)), max(trained.count(t) for t in set(trained)),
+            len({t for t in played if t.startswith("seed-")}), len(on_variants),
+            max((on_variants.count(t) for t in set(on_variants)), default=0)]
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -85,10 +97,11 @@ async def main(args: argparse.Namespace) -> None:
             rows = {}
             for sampler in SAMPLERS:
                 runs = [await one_run(client, sampler, r, args) for r in range(args.runs)]
-                rows[sampler] = [statistics.mean(r[i] for r in runs) for i in range(4)]
-                g, d, m, s = rows[sampler]
+                rows[sampler] = [statistics.mean(r[i] for r in runs) for i in range(6)]
+                g, d, m, s, v, vm = rows[sampler]
                 print(f"{sampler:8s} groups played {g:6.1f}   distinct seeds trained {d:5.1f}   most groups on one "
-                      f"{m:4.1f}   seeds played {s:5.1f} of {args.seeds}   ({load()})")
+                      f"{m:4.1f}   seeds played {s:5.1f} of {args.seeds}   groups on variants {v:5.1f}, most on one "
+                      f"{vm:4.1f}   ({load()})")
         finally:
             await client.aclose()
     u, d, p = rows["uniform"], rows["draw"], rows["pass"]
@@ -104,4 +117,6 @@ if __name__ == "__main__":
                     help="informative groups a run trains on (default: %(default)s = 5 updates of 8 groups)")
     ap.add_argument("--group-size", type=int, default=4, help="rollouts per group (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=4, help="tasks per curriculum batch (default: %(default)s)")
+    ap.add_argument("--variants", type=int, default=0,
+                    help="generated tasks in the pool from the start (default: %(default)s: seeds only)")
     asyncio.run(main(ap.parse_args()))

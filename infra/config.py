@@ -307,7 +307,7 @@ class CurriculumConfig:
     recent_groups: int = _f(4, "Group variances kept per task for V_tau.", POSITIVE)
     batch_size: int = _f(4, "Tasks pushed per batch.", POSITIVE)
     max_pool: int = _f(1000, "Most tasks in the pool.", POSITIVE)
-    sampling: str = _f("pass", "How the variance weights pick tasks. 'pass': passes over the pool in random order, each task kept in a pass with probability its weight, so no task is played twice before every other had its chance; 'draw': each batch drawn by weight from the whole pool (the sampler until 2026-11-29; it spent the same rollouts on fewer distinct games, see simulator/curriculum.py).", _one_of("pass", "draw"))
+    sampling: str = _f("pass", "How the variance weights pick tasks. 'pass': passes over the seed tasks (and, separately, over the variants) in random order, each task kept in a pass with probability its weight, so no seed is played twice before every other kept one had its chance; 'draw': each batch drawn by weight from the whole pool (the sampler until 2026-11-29; it spent the same rollouts on fewer distinct games, see simulator/curriculum.py).", _one_of("pass", "draw"))
     min_weight: float = _f(0.1, "Sampling weight of a zero-variance task relative to the highest-variance one (keeps coverage).", UNIT)
     max_children: int = _f(4, "Most variants generated from one parent task.", NON_NEGATIVE)
     max_backlog: int = _f(8, "The scheduler pushes while fewer tasks than this wait undelivered on the task stream.", POSITIVE)

@@ -13,9 +13,12 @@ infra/run/cluster/scheduler_actor.py).
   always failed) last.
 - Weights are V_tau / max V_tau (unseen tasks 1, zero-variance ones `min_weight`).
   Departure from drawing batches by weight (`sampling: draw`, the sampler until
-  2026-11-29): by default (`sampling: pass`) the scheduler walks the pool in passes,
-  each a random order of the tasks, each task kept in the pass with probability its
-  weight. Why: the learner sets zero-variance groups aside (GRPO gives them no
+  2026-11-29): by default (`sampling: pass`) the scheduler walks the seed tasks in
+  passes, each a random order of them, each kept in the pass with probability its
+  weight; the variants the λ cap lets in walk passes of their own, at most one of
+  theirs per pass over the seeds (so a variant, too, is played at most once a pass,
+  and λ stays a cap: with one variant's pass per seed pass fewer than λ of the
+  tasks may be variants). Why: the learner sets zero-variance groups aside (GRPO gives them no
   advantage), so every update trains on informative groups whichever sampler fed it;
   what the weights still buy is fewer wasted rollouts, and drawn by weight they
   bought it by replaying the same few balanced games. benchmarks/curriculum_sampling.py
@@ -180,6 +183,7 @@ class CurriculumScheduler:
         self.pushed = 0  # by this process's run()/push_batch()
         self._order: list[Task] = []  # uniform mode: the rest of the current pass over the seeds
         self._passes: dict[str, list[str]] = {"seed": [], "generated": []}  # sampling "pass": the rest of each pass
+        self._started_passes = {"seed": 0, "generated": 0}  # how many passes each kind has started
         self._generation: asyncio.Task | None = None
         self._started = False
         # Real rollouts (the real-environment baseline, the real phase of sim-to-real) can only
@@ -249,10 +253,12 @@ class CurriculumScheduler:
         seed_ids = [t for t in ids if not self.pool.tasks[t].generated and (self.pool.tasks[t].game_file
                                                                               or not self.real_only)]
         b = self.cfg.batch_size
-        n_gen = min(len(gen_ids), generated_quota(b, self.cfg.lam, self.handed_out, self.generated_handed_out))
         if not seed_ids:  # only generated tasks left (cannot happen with seeds given; guard anyway)
-            n_gen = min(b, len(gen_ids))
-        picks = self._pick("generated", gen_ids, n_gen) + self._pick("seed", seed_ids, b - n_gen)
+            weights = selection_weights(gen_ids, self.last_stats, self.cfg.min_weight)
+            return [self.pool.tasks[t] for t in weighted_sample(gen_ids, weights, min(b, len(gen_ids)), self.rng)]
+        n_gen = min(len(gen_ids), generated_quota(b, self.cfg.lam, self.handed_out, self.generated_handed_out))
+        picks = self._pick("generated", gen_ids, n_gen)
+        picks += self._pick("seed", seed_ids, b - len(picks))
         return [self.pool.tasks[t] for t in picks]
 
     def _pick(self, kind: str, ids: list[str], k: int) -> list[str]:
@@ -265,6 +271,9 @@ class CurriculumScheduler:
         out: list[str] = []
         while len(out) < k and ids:
             if not rest:
+                if kind == "generated" and self._started_passes["generated"] >= self._started_passes["seed"]:
+                    break  # a variant is played at most once per pass over the seeds; seeds fill the batch
+                self._started_passes[kind] += 1
                 rest.extend(pass_order(ids, weights, self.rng))
                 if not rest:  # every weight so small that a whole pass kept nothing: draw the rest by weight
                     return out + weighted_sample(ids, weights, k - len(out), self.rng)
@@ -346,6 +355,7 @@ class CurriculumScheduler:
             "counters": {"batches": self.batches, "pushed": self.handed_out, "generated_pushed": self.generated_handed_out},
             "uniform_order": [t.task_id for t in self._order],
             "passes": {kind: list(rest) for kind, rest in self._passes.items()},
+            "started_passes": dict(self._started_passes),
         }
 
     async def load_state_dict(self, state: dict) -> None:
@@ -366,5 +376,6 @@ class CurriculumScheduler:
         self._order = [self.pool.tasks[t] for t in state.get("uniform_order", []) if t in self.pool.tasks]
         passes = state.get("passes", {})  # absent in checkpoints written before sampling "pass"
         self._passes = {kind: [t for t in passes.get(kind, []) if t in self.pool.tasks] for kind in ("seed", "generated")}
+        self._started_passes = {"seed": 0, "generated": 0, **state.get("started_passes", {})}
         await with_retry(lambda: self.client.hset(counters_key(self.prefix), mapping=c), "restore curriculum counters")
         self._started = True

@@ -133,7 +133,8 @@ async def test_a_generated_task_without_reward_variance_is_not_handed_out_again(
     await store.record_group("v-live", [1, 0, 0, 1])
     picks = [t.task_id for _ in range(100) for t in await sched.next_batch()]
     assert "v-dead" not in picks
-    assert picks.count("v-live") == pytest.approx(0.3 * len(picks), abs=2)  # the cap still fills with a live one
+    live = picks.count("v-live")  # played once per pass over the seeds (sampling "pass"), within the cap
+    assert 0 < live <= sched._started_passes["seed"] and live <= 0.3 * len(picks)
     for _ in range(cfg.recent_groups):  # its recent groups now carry no signal either
         await store.record_group("v-live", [1, 1, 1, 1])
     later = [t.task_id for _ in range(20) for t in await sched.next_batch()]
@@ -180,6 +181,27 @@ async def test_pass_sampling_plays_no_seed_twice_before_every_kept_one_once(redi
     picks = [(await sched.next_batch())[0].task_id for _ in range(30)]
     for k in range(0, 30, 3):  # every pass is exactly the three balanced seeds, in some order
         assert sorted(picks[k:k + 3]) == ["seed-3", "seed-4", "seed-5"], picks
+    await client.aclose()
+
+
+async def test_pass_sampling_hands_a_variant_out_at_most_once_per_pass_over_the_seeds(redis_url):
+    client = connect(redis_url)
+    store = TaskStatsStore(client, "vpass")
+    variant = Task(task_id="v-0", instruction="a variant", family="tw", parent_id="seed-0", generated=True)
+    await store.record_group("v-0", [1, 0, 1, 0])  # informative: eligible, weight 1
+    for sampling in ("draw", "pass"):
+        prefix = f"vpass-{sampling}"
+        await TaskStatsStore(client, prefix).record_group("v-0", [1, 0, 1, 0])
+        sched = CurriculumScheduler(client, CurriculumConfig(batch_size=2, lam=0.5, sampling=sampling), prefix,
+                                    _seeds(4), seed=1)
+        await sched.start()
+        await sched.pool.add([variant])
+        picks = [t.task_id for _ in range(20) for t in await sched.next_batch()]
+        if sampling == "draw":  # the λ cap filled as a quota: the one variant takes half of everything
+            assert picks.count("v-0") == 20
+        else:  # once per pass over the 4 seeds (each kept: unseen), seeds fill the rest of the batch
+            assert 1 <= picks.count("v-0") <= sched._started_passes["seed"] <= 10
+            assert sched.generated_handed_out <= 0.5 * sched.handed_out
     await client.aclose()
 
 
