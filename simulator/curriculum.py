@@ -25,7 +25,8 @@ infra/run/cluster/scheduler_actor.py).
   (the real scheduler and Redis, simulated 0/1 outcomes for 64 seeds, groups of 4,
   until 40 informative groups, 100 runs): draws played 91 groups, training on 22.3
   distinct seeds with up to 4.3 groups on one; passes 93 groups, 24.3 seeds, 2.7 at
-  most; uniform 112 groups, 28.5 seeds, 2.1 at most. In the real runs of
+  most; uniform 112 groups, 28.5 seeds, 2.1 at most. With 8 variants in the pool
+  (`--variants 8`) draws gave one variant 9.5 groups; passes 2.2. In the real runs of
   docs/experiments.md footnote 24 the drawn curriculum played 53-58 of the 64 seeds.
 - Every `generate_every` batches the top-ranked tasks (non-zero variance or unseen;
   never zero-variance ones, which carry no signal) are handed to Mtask

@@ -155,7 +155,8 @@ def test_gpu_lease_prepare_makes_the_data_and_embeds_every_offline_transition(tm
 
 def test_curriculum_sampling_runs_and_prints_its_ratios():
     """The real scheduler against a real Redis, three samplers on simulated outcomes."""
-    out = run_benchmark("curriculum_sampling.py", "--runs", "2", "--seeds", "16", "--informative", "8")
+    out = run_benchmark("curriculum_sampling.py", "--runs", "2", "--seeds", "16", "--informative", "8", "--variants", "2")
     lines = out.splitlines()
     assert [line.split()[0] for line in lines[:3]] == ["uniform", "draw", "pass"], out
+    assert "groups on variants   0.0" in lines[0]  # the ablation never plays a variant
     assert "pass/draw ratios: groups played" in lines[-1] and "load " in lines[-1]
