@@ -186,12 +186,10 @@ async def test_pass_sampling_plays_no_seed_twice_before_every_kept_one_once(redi
 
 async def test_pass_sampling_hands_a_variant_out_at_most_once_per_pass_over_the_seeds(redis_url):
     client = connect(redis_url)
-    store = TaskStatsStore(client, "vpass")
     variant = Task(task_id="v-0", instruction="a variant", family="tw", parent_id="seed-0", generated=True)
-    await store.record_group("v-0", [1, 0, 1, 0])  # informative: eligible, weight 1
     for sampling in ("draw", "pass"):
         prefix = f"vpass-{sampling}"
-        await TaskStatsStore(client, prefix).record_group("v-0", [1, 0, 1, 0])
+        await TaskStatsStore(client, prefix).record_group("v-0", [1, 0, 1, 0])  # informative: eligible, weight 1
         sched = CurriculumScheduler(client, CurriculumConfig(batch_size=2, lam=0.5, sampling=sampling), prefix,
                                     _seeds(4), seed=1)
         await sched.start()
