@@ -264,13 +264,15 @@ class CurriculumScheduler:
 
     def _pick(self, kind: str, ids: list[str], k: int) -> list[str]:
         """k of `ids` by the configured sampling; `kind` names the pass ("seed" or "generated")."""
+        if k <= 0 or not ids:  # most batches hold no variant: nothing to weigh
+            return []
         weights = selection_weights(ids, self.last_stats, self.cfg.min_weight)
         if self.cfg.sampling == "draw":
             return weighted_sample(ids, weights, k, self.rng)
         eligible = set(ids)
         rest = self._passes[kind] = [t for t in self._passes[kind] if t in eligible]  # a variant may have left
         out: list[str] = []
-        while len(out) < k and ids:
+        while len(out) < k:
             if not rest:
                 if kind == "generated" and self._started_passes["generated"] >= self._started_passes["seed"]:
                     break  # a variant is played at most once per pass over the seeds; seeds fill the batch
