@@ -9,26 +9,33 @@ beside it in `<prefix>:curriculum:counters` so the share of generated tasks over
 whole run can be read back.
 
 Also the `dreamgym tasks` command: the pool as a rich table (or --json) with each
-task's statistics (n, mean reward, V_tau) and lineage.
+task's statistics (n, mean reward, V_tau) and lineage, and how the run spread its
+groups over the seeds (played, at most on one) and the variants. It reads a live job's
+Redis, or with `--run DIR` a finished run's: a private server loaded from a copy of the
+append-only files in `DIR/redis/` (the run's own files are never opened for writing).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
-from typing import Iterable
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
 
 import redis.asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
 from infra import metrics
-from infra.config import add_config_arguments, config_from_args
-from infra.redis_server import read_job_record
+from infra.config import ConfigError, add_config_arguments, config_from_args, load_config
+from infra.redis_server import EmbeddedRedis, read_job_record
 from infra.schema import SchemaError, Task, decode_as, encode
-from infra.streams import connect, key, ping, with_retry
+from infra.streams import connect, key, ping, run_prefix, with_retry
 from infra.task_stats import TaskStatsStore
 
 log = logging.getLogger(__name__)
@@ -139,6 +146,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="row order (default: %(default)s)")
     p.add_argument("--prefix", default="", help="Redis key prefix of the run (default: the latest run's, from "
                                                 "<run_dir>/latest.json, else infra.stream_prefix)")
+    p.add_argument("--run", default="", metavar="DIR",
+                   help="a finished or stopped run's directory (runs/<name>, or runs/<experiment>/<regime>): read "
+                        "its pool from a copy of its Redis append-only files, with the config it ran with")
+
+
+@contextlib.contextmanager
+def run_snapshot(run_dir: str | Path) -> Iterator[str]:
+    """A private Redis loaded from a copy of a run's append-only files; yields its URL.
+
+    A copy, so that neither this server nor a job still appending there touches the other's files."""
+    aof = Path(run_dir) / "redis" / "appendonlydir"
+    if not aof.is_dir():
+        raise ConfigError(f"{run_dir}: no Redis append-only files at {aof} (a run that used a configured "
+                          "infra.redis_url keeps its pool in that Redis: pass infra.redis_url= and --prefix)")
+    with tempfile.TemporaryDirectory(prefix="dreamgym-tasks-") as tmp:
+        shutil.copytree(aof, Path(tmp) / aof.name)
+        with EmbeddedRedis(data_dir=tmp, appendonly=True) as server:
+            yield server.url
 
 
 async def pool_report(client: aioredis.Redis, prefix: str) -> dict:
@@ -157,7 +182,15 @@ async def pool_report(client: aioredis.Redis, prefix: str) -> dict:
     return {"prefix": prefix, "size": len(rows), "seeds": sum(r["origin"] == "seed" for r in rows),
             "generated": sum(r["origin"] == "generated" for r in rows), "counters": counters,
             "generated_share_pushed": (counters.get("generated_pushed", 0.0) / pushed) if pushed else 0.0,
+            "spread": {origin: group_spread([r for r in rows if r["origin"] == origin])
+                       for origin in ("seed", "generated")},
             "tasks": rows}
+
+
+def group_spread(rows: list[dict]) -> dict:
+    """How a run's finished groups fell on these tasks: how many tasks got one, in all, at most on one."""
+    groups = [r["groups"] for r in rows]
+    return {"played": sum(g > 0 for g in groups), "groups": sum(groups), "max_on_one": max(groups, default=0)}
 
 
 def _sorted_rows(rows: list[dict], how: str) -> list[dict]:
@@ -174,9 +207,12 @@ def render_table(report: dict, sort: str = "variance", limit: int = 50):
     """A rich Table of the pool (returned, not printed, so tests can render it)."""
     share = report["generated_share_pushed"]
     c = report["counters"]
+    seed, gen = report["spread"]["seed"], report["spread"]["generated"]
     table = Table(title=f"task pool {report['prefix']}: {report['seeds']} seed + {report['generated']} generated; "
                         f"{int(c.get('pushed', 0))} tasks pushed in {int(c.get('batches', 0))} batches, "
-                        f"{share:.0%} generated")
+                        f"{share:.0%} generated; groups: {seed['groups']} on {seed['played']} seeds (at most "
+                        f"{seed['max_on_one']} on one), {gen['groups']} on {gen['played']} variants (at most "
+                        f"{gen['max_on_one']})")
     for col, kw in (("task", {}), ("origin", {}), ("parent", {}), ("depth", {"justify": "right"}),
                     ("n", {"justify": "right"}), ("mean", {"justify": "right"}), ("V_tau", {"justify": "right"}),
                     ("instruction", {"overflow": "fold"})):
@@ -189,6 +225,8 @@ def render_table(report: dict, sort: str = "variance", limit: int = 50):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.run:
+        return _run_finished(args)
     cfg = config_from_args(args)
     url, prefix = cfg.infra.redis_url, args.prefix
     if not url or not prefix:  # the latest `dreamgym train` job (infra/redis_server.py keeps its record)
@@ -200,15 +238,32 @@ def run(args: argparse.Namespace) -> int:
               "`dreamgym tasks configs/quickstart.yaml infra.redis_url=redis://127.0.0.1:6379/0`")
         return 2
 
-    async def main() -> dict:
-        client = connect(url, cfg.infra.redis_tls_ca)
-        try:
-            await ping(client, url)
-            return await pool_report(client, prefix)
-        finally:
-            await client.aclose()
+    _print(args, asyncio.run(_report(url, prefix, cfg.infra.redis_tls_ca)))
+    return 0
 
-    report = asyncio.run(main())
+
+def _run_finished(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run)
+    if args.config and "=" not in args.config:
+        raise ConfigError(f"--run {run_dir} takes the config the run wrote there; drop {args.config}")
+    overrides = [args.config] if args.config else []
+    cfg = load_config(run_dir, overrides + list(args.overrides or []))
+    prefix = args.prefix or run_prefix(cfg.infra.stream_prefix, run_dir.resolve().name)
+    with run_snapshot(run_dir) as url:
+        _print(args, asyncio.run(_report(url, prefix, "")))
+    return 0
+
+
+async def _report(url: str, prefix: str, tls_ca: str) -> dict:
+    client = connect(url, tls_ca)
+    try:
+        await ping(client, url)
+        return await pool_report(client, prefix)
+    finally:
+        await client.aclose()
+
+
+def _print(args: argparse.Namespace, report: dict) -> None:
     if args.json:
         print(json.dumps(report, indent=2))
     else:

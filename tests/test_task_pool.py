@@ -11,8 +11,10 @@ import pytest
 from rich.console import Console
 
 from infra import cli
+from infra.config import dump, load_config
+from infra.redis_server import EmbeddedRedis
 from infra.schema import Task
-from infra.streams import connect
+from infra.streams import connect, run_prefix
 from infra.task_stats import TaskStatsStore
 from simulator.curriculum import CurriculumConfig, CurriculumScheduler
 from simulator.task_pool import PoolFull, TaskPool, pool_key, pool_report, render_table
@@ -104,3 +106,34 @@ async def test_dreamgym_tasks_finds_the_latest_run(redis_url, tmp_path):
 def test_dreamgym_tasks_without_redis_url_says_what_to_pass(capsys, tmp_path):
     assert cli.main(["tasks", "infra.redis_url=", f"infra.run_dir={tmp_path}"]) == 2
     assert "infra.redis_url=" in capsys.readouterr().out
+
+
+async def test_dreamgym_tasks_reads_a_finished_runs_pool_from_a_copy_of_its_aof(tmp_path, capsys):
+    run = tmp_path / "exp" / "regime.r2"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(dump(load_config(None, ["infra.stream_prefix=mine"])))
+    prefix = run_prefix("mine", "regime.r2")
+    with EmbeddedRedis(data_dir=run / "redis", appendonly=True) as server:  # the run's own server, then stopped
+        client = connect(server.url)
+        await TaskPool(client, prefix).add(family())
+        stats = TaskStatsStore(client, prefix)
+        for tid, rewards in (("root", [1, 0, 1, 1]), ("root", [0, 0, 0, 0]), ("child", [1, 0, 0, 0])):
+            await stats.record_group(tid, rewards)
+        await client.aclose()
+    aof = run / "redis" / "appendonlydir"
+    before = {f.name: f.read_bytes() for f in aof.iterdir()}
+
+    rc = await asyncio.to_thread(cli.main, ["tasks", "--run", str(run), "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prefix"] == prefix and report["size"] == 3
+    assert {r["task_id"]: r["n"] for r in report["tasks"]} == {"root": 8, "child": 4, "grandchild": 0}
+    assert report["spread"] == {"seed": {"played": 1, "groups": 2, "max_on_one": 2},
+                                "generated": {"played": 1, "groups": 1, "max_on_one": 1}}
+    assert {f.name: f.read_bytes() for f in aof.iterdir()} == before  # the run's files untouched
+
+    assert await asyncio.to_thread(cli.main, ["tasks", "--run", str(tmp_path / "exp")]) == 2
+    assert "no config.yaml" in capsys.readouterr().err  # not a run directory
+    (run / "config.yaml").rename(tmp_path / "exp" / "config.yaml")
+    assert await asyncio.to_thread(cli.main, ["tasks", "--run", str(tmp_path / "exp")]) == 2
+    assert "no Redis append-only files" in capsys.readouterr().err  # a run directory without its Redis
