@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "warm-start": ("learner.policy_sft", "Supervised warm start of the policy on expert offline steps (choice form)."),
     "fidelity": ("simulator.fidelity", "Replay held-out real trajectories through Mexp: reward/done accuracy, state agreement."),
     "scale": ("infra.run.scale", "Add or remove rollout workers of a running training job."),
-    "tasks": ("simulator.task_pool", "List the curriculum's task pool with statistics and lineage."),
+    "tasks": ("simulator.task_pool", "List the curriculum's task pool with statistics and lineage (a live job's, or a finished run's with --run DIR)."),
     "monitor": ("infra.run.monitoring", "Print a run's live Prometheus scrape targets and whether each answers."),
     "dashboards": ("infra.dashboards", "Write the Grafana dashboards and scrape config, or push them to a running Grafana."),
     "report": ("infra.run.report", "Regenerate a finished run's PNG plots and markdown summary (optionally from Prometheus)."),
