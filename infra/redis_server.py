@@ -17,10 +17,12 @@ config file (never the command line, which `ps` shows) and clients through `url`
 it is also kept in a 0600 `password_file`. Owns, too, the running job's record
 `<run_dir>/latest.json`, which lets `dreamgym scale/status/tasks` find the job's Redis:
 it holds the URL without the password and the path of that file, never the secret.
+And `run_snapshot`: a finished run's `<run_dir>/redis/` served from a copy, for `dreamgym tasks --run`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import redis
 
@@ -232,3 +234,18 @@ def read_job_record(run_root: str | Path, with_password: bool = True) -> dict:
         scheme, _, rest = url.partition("://")
         record["redis_url"] = f"{scheme}://:{password}@{rest}"
     return record
+
+
+@contextlib.contextmanager
+def run_snapshot(run_dir: str | Path) -> Iterator[str]:
+    """A private server loaded from a copy of a finished (or stopped) run's `<run_dir>/redis/` append-only
+    files; yields its URL (`dreamgym tasks --run`). A copy, so that neither this server nor a job still
+    appending there touches the other's files."""
+    aof = Path(run_dir) / "redis" / "appendonlydir"
+    if not aof.is_dir():
+        raise ConfigError(f"{run_dir}: no Redis append-only files at {aof} (a run that used a configured "
+                          "infra.redis_url keeps its pool in that Redis: pass infra.redis_url= and --prefix)")
+    with tempfile.TemporaryDirectory(prefix="dreamgym-run-") as tmp:
+        shutil.copytree(aof, Path(tmp) / aof.name)
+        with EmbeddedRedis(data_dir=tmp, appendonly=True) as server:
+            yield server.url

@@ -11,21 +11,18 @@ whole run can be read back.
 Also the `dreamgym tasks` command: the pool as a rich table (or --json) with each
 task's statistics (n, mean reward, V_tau) and lineage, and how the run spread its
 groups over the seeds (played, at most on one) and the variants. It reads a live job's
-Redis, or with `--run DIR` a finished run's: a private server loaded from a copy of the
-append-only files in `DIR/redis/` (the run's own files are never opened for writing).
+Redis, or with `--run DIR` a finished run's, served from a copy of its append-only files
+(infra/redis_server.py `run_snapshot`; the run's own files are never opened for writing).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import redis.asyncio as aioredis
 from rich.console import Console
@@ -33,7 +30,7 @@ from rich.table import Table
 
 from infra import metrics
 from infra.config import ConfigError, add_config_arguments, config_from_args, load_config
-from infra.redis_server import EmbeddedRedis, read_job_record
+from infra.redis_server import read_job_record, run_snapshot
 from infra.schema import SchemaError, Task, decode_as, encode
 from infra.streams import connect, key, ping, run_prefix, with_retry
 from infra.task_stats import TaskStatsStore
@@ -149,21 +146,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default="", metavar="DIR",
                    help="a finished or stopped run's directory (runs/<name>, or runs/<experiment>/<regime>): read "
                         "its pool from a copy of its Redis append-only files, with the config it ran with")
-
-
-@contextlib.contextmanager
-def run_snapshot(run_dir: str | Path) -> Iterator[str]:
-    """A private Redis loaded from a copy of a run's append-only files; yields its URL.
-
-    A copy, so that neither this server nor a job still appending there touches the other's files."""
-    aof = Path(run_dir) / "redis" / "appendonlydir"
-    if not aof.is_dir():
-        raise ConfigError(f"{run_dir}: no Redis append-only files at {aof} (a run that used a configured "
-                          "infra.redis_url keeps its pool in that Redis: pass infra.redis_url= and --prefix)")
-    with tempfile.TemporaryDirectory(prefix="dreamgym-tasks-") as tmp:
-        shutil.copytree(aof, Path(tmp) / aof.name)
-        with EmbeddedRedis(data_dir=tmp, appendonly=True) as server:
-            yield server.url
 
 
 async def pool_report(client: aioredis.Redis, prefix: str) -> dict:
