@@ -1,14 +1,16 @@
 """MiniWoB++ in real headless Chromium: page mapping, expert vs random, invalid actions,
-the lifted episode timer, and no leaked browser processes."""
+the lifted episode timer, no leaked browser processes, and `dreamgym train` on the family."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import psutil
 import pytest
 
+from actors.dataset import TaskSplits, splits_path
 from actors.envs.base import INVALID_PREFIX, validate_state
 from actors.envs.expert import make_chooser
 from actors.envs.miniwob_env import Item, MiniWoBEnv, dom_rationale, expert_action, page_items, render_page
@@ -114,3 +116,42 @@ def test_invalid_actions_timer_and_no_leaked_browser(mw_tasks):
     gone, alive = psutil.wait_procs(procs, timeout=10)
     assert not alive, f"leaked browser processes: {[p.pid for p in alive]}"
     assert not os.path.exists(data_dir)
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_train_command_runs_dreamgym_then_sim_to_real_on_miniwob(redis_url, tmp_path, tiny_dir):
+    """`dreamgym train` with actors.env_family=miniwob, the whole DreamGym path on web pages: expert
+    episodes collected in Chromium seed the replay buffer, the tiny model plays Mexp for one PPO
+    update, a sim-to-real phase spends exactly 4 real transitions in Chromium, and both held-out
+    evaluations play the held-out pages (the unseen task, and the train task on unseen seeds).
+
+    PPO, not GRPO: the tiny random Mexp writes no parseable state, so every synthetic episode ends as
+    sim_error with one reward and GRPO would rightly discard each group; PPO updates on it regardless."""
+    from infra.cli import main
+
+    name = "mw-train"
+    rc = main(["train", "--name", name, f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tmp_path / 'data'}",
+               f"infra.redis_url={redis_url}", "infra.train_budget_s=600", f"engines.model={tiny_dir}",
+               "engines.max_batch_size=4", f"simulator.checkpoint={tiny_dir}", "simulator.max_steps=2",
+               "actors.env_family=miniwob", "data.miniwob_tasks=[click-button]", "data.miniwob_heldout=[enter-text]",
+               "data.miniwob_seeds=1", "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1",
+               "data.max_steps=4", "actors.env_kind=synthetic", "actors.num_workers=1", "actors.group_size=2",
+               "actors.concurrent_episodes=2", "actors.max_steps=2", "learner.algo=ppo",
+               "learner.groups_per_update=1", "learner.total_updates=1", "learner.s2r_real_transitions=4",
+               "curriculum.variants_per_seed=0", "evaluation.max_steps=2"])
+    assert rc == 0
+    summary = json.loads((tmp_path / "runs" / name / "summary.json").read_text())
+    assert summary["family"] == "miniwob"
+    splits = TaskSplits.load(splits_path(tmp_path / "data", "miniwob"))
+    assert {t.family for t in splits.train} == {"miniwob/click-button"}
+    assert {t.family for t in splits.heldout} == {"miniwob/click-button", "miniwob/enter-text"}  # + unseen seeds
+    assert not {t.task_id for t in splits.train} & {t.task_id for t in splits.heldout}
+    dream, real = summary["phases"]
+    assert dream["env_kind"] == "synthetic" and dream["updates"] >= 1 and summary["replay_buffer_size"] > 0
+    assert real["env_kind"] == "real" and real["real_transitions"] == 4 and real["transition_budget_spent"]
+    tr = summary["transitions"]
+    assert tr["offline_real"] > 0 and tr["online_real"] == 4 and tr["synthetic"] > 0
+    held = {t.task_id for t in splits.heldout}
+    for report in (dream["heldout_after"], summary["heldout_after"]):  # after the DreamGym phase, then at the end
+        assert report["episodes"] == len(held) and {r["task_id"] for r in report["per_task"]} == held
