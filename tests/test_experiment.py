@@ -403,6 +403,20 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
         load_experiment(spec)
 
 
+def test_the_miniwob_preset_runs_the_main_regimes_on_web_pages():
+    # textworld_cpu.yaml's recipe on MiniWoB++ pages: its own data directory, held-out tasks never trained on,
+    # and sim-to-real with a tenth of real GRPO's real transitions
+    exp = load_experiment("configs/experiments/miniwob_cpu.yaml")
+    assert [r.name for r in selected(exp, [])] == ["base", "sft", "dreamgym_grpo", "real_grpo", "dreamgym_s2r"]
+    cfgs = {r.name: exp.config(r) for r in exp.regimes}
+    assert {c.actors.env_family for c in cfgs.values()} == {"miniwob"}
+    assert {c.infra.data_dir for c in cfgs.values()} == {"data/exp-miniwob"}
+    data = cfgs["sft"].data
+    assert data.miniwob_heldout and not set(data.miniwob_heldout) & set(data.miniwob_tasks)
+    assert 10 * cfgs["dreamgym_s2r"].learner.s2r_real_transitions == cfgs["real_grpo"].actors.real_transitions
+    assert cfgs["dreamgym_grpo"].actors.env_kind == "synthetic" and cfgs["real_grpo"].actors.env_kind == "real"
+
+
 def test_experiment_files_are_validated_before_anything_runs(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"regimes": {"a": {"overrides": ["learner.lr=abc"]}}}))
