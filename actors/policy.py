@@ -37,7 +37,8 @@ text in both modes; packing only changes how many forwards the learner runs.
 
 Action mode "score" (`actors.action_mode`; per-step prompts only): no letters. The
 prompt lists the possible actions and asks for the next one; the policy engine returns
-the log-likelihood of every candidate's text (plus the end-of-turn token) after the
+the log-likelihood of every candidate's text as listed (a web action with its element's
+text, `click [4] (button 'okay')`; plus the end-of-turn token) after the
 prompt (`EngineClient.score`, SGLang's prefill log-probs), and the policy is the
 softmax over candidates of their length-normalised log-likelihoods (`score_turn`,
 `ChoicePolicy`, and learner/policy_model.py's `scored_logprobs`, both through
@@ -63,8 +64,9 @@ from infra.schema import Task
 LABELS = string.ascii_lowercase + string.ascii_uppercase
 MAX_CHOICES = len(LABELS)
 # Bump when the policy prompt changes: cached warm-started policies are keyed by it (and by the
-# mode when multi-turn; the per-step prompt is unchanged, so its caches stay valid).
-PROMPT_FORMAT = 1
+# mode when multi-turn; the per-step prompt is unchanged, so its caches stay valid). 2: score mode
+# scores a web action with its element's text (TextWorld's command candidates read as before).
+PROMPT_FORMAT = 2
 MAX_CHAT_CHARS = 12_000  # default for actors.chat_max_chars
 SYSTEM_PROMPT = ("You are an agent acting in a text environment. Read the goal and the current state, "
                  "then answer with the single letter of the best next action.")
@@ -234,16 +236,20 @@ class ScorePrompt:
 def score_turn(tokenizer: Any, task: Task | None, state: str, candidates: Sequence[str],
                history: Sequence[Any] = (), history_window: int = 3) -> ScorePrompt:
     """The score-mode prompt: goal, state, previous actions, the possible actions, the question;
-    each candidate's continuation is its text followed by the end-of-turn token."""
+    each candidate's continuation is its text as listed (a web action with its element:
+    `click [4] (button 'okay')`) followed by the end-of-turn token."""
     if not candidates:
         raise ValueError("no candidate actions to choose from")
     lines, items = _context_lines(task, state, _recent_actions(history, history_window), True)
-    lines.append("Possible actions: " + "; ".join(_option_text(c, items) for c in candidates))
+    shown = [_option_text(c, items) for c in candidates]
+    lines.append("Possible actions: " + "; ".join(shown))
     lines.append("What is the next action?")
     msgs = [{"role": "system", "content": SCORE_SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
     prompt = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     end = tokenizer.eos_token or ""
-    conts = [tokenizer(c + end, add_special_tokens=False)["input_ids"] for c in candidates]
+    # scored as shown: a web action with its element's text, so its likelihood is about the element
+    # and not only the digits of its ref
+    conts = [tokenizer(s + end, add_special_tokens=False)["input_ids"] for s in shown]
     return ScorePrompt(prompt, tokenizer(prompt, add_special_tokens=False)["input_ids"], conts)
 
 

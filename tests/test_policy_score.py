@@ -19,6 +19,7 @@ from actors.envs.base import StepResult
 from actors.policy import ChoicePolicy, score_turn, split_choices
 from infra import schema
 from infra.config import ConfigError, load_config
+from infra.engine.models import load_tokenizer
 from infra.engine.scoring import continuation_logprobs
 from infra.schema import Step, Task
 from learner.policy_model import scored_logprobs
@@ -46,6 +47,20 @@ def test_continuation_logprobs_equal_a_full_forward(smollm2):
             assert torch.allclose(lp, ref, atol=1e-4)
     assert "Possible actions: go north; take coin; open box" in turn.prompt
     assert all(c[-1] == tok.eos_token_id for c in turn.continuations)
+
+
+def test_a_web_action_is_scored_with_its_elements_text():
+    # "click [7]" alone would leave the policy scoring the digits of a ref; the continuation names the
+    # element as the prompt lists it, and a TextWorld command is scored as itself
+    tok = load_tokenizer()
+    page = ("Task: Click on the Submit button.\nItems:\n[5] label 'Name'\n[6] input_text #name\n[7] button 'Submit'",
+            ["click [5]", 'type [6] "Kenda"', "click [7]"])
+    turn = score_turn(tok, Task("w1", "Click on the Submit button."), *page)
+    shown = ["click [5] (label 'Name')", 'type [6] "Kenda" (input_text #name)', "click [7] (button 'Submit')"]
+    assert "Possible actions: " + "; ".join(shown) in turn.prompt
+    assert [tok.decode(c[:-1]) for c in turn.continuations] == shown
+    words = score_turn(tok, TASK, *STATES[0])
+    assert [tok.decode(c[:-1]) for c in words.continuations] == STATES[0][1]
 
 
 @pytest.mark.slow
