@@ -50,10 +50,12 @@ from typing import Any
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from actors.confidence import compare, compare_runs, wilson_interval
-from infra.config import Config, ConfigError, load_config
+from infra.config import Config, ConfigError, dump, load_config
+from infra.run import claims
 from infra.run.fork import fork_run
 from infra.streams import run_prefix
 from learner import checkpoint
@@ -78,6 +80,7 @@ class Experiment:
     compare_to: str = ""
     about: str = ""
     path: str = ""
+    roles: claims.Roles | None = None  # the regimes the paper's claims compare (`claims:`, infra/run/claims.py)
 
     def config_args(self, regime: Regime) -> list[str]:
         """The `dreamgym train` arguments (preset and overrides) of one regime."""
@@ -97,7 +100,7 @@ def load_experiment(path: str | Path) -> Experiment:
         doc = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
-    known = {"name", "about", "base", "overrides", "compare_to", "regimes"}
+    known = {"name", "about", "base", "overrides", "compare_to", "regimes", "claims"}
     if not isinstance(doc, dict) or set(doc) - known:
         raise ConfigError(f"{p}: expected a mapping with keys {sorted(known)}; unknown: {sorted(set(doc) - known)}")
     if not isinstance(doc.get("regimes"), dict) or not doc["regimes"]:
@@ -117,7 +120,9 @@ def load_experiment(path: str | Path) -> Experiment:
                               bool(spec.get("extra", False))))
     exp = Experiment(name=str(doc.get("name") or p.stem), base=str(doc.get("base") or ""),
                      overrides=[str(o) for o in doc.get("overrides") or []], regimes=regimes,
-                     compare_to=str(doc.get("compare_to") or ""), about=str(doc.get("about") or ""), path=str(p))
+                     compare_to=str(doc.get("compare_to") or ""), about=str(doc.get("about") or ""), path=str(p),
+                     roles=claims.Roles.parse(doc["claims"], [r.name for r in regimes], f"{p}: claims")
+                     if doc.get("claims") is not None else None)
     for where, target in [("compare_to", exp.compare_to), *((f"regimes.{r.name}.compare_to", r.compare_to)
                                                             for r in regimes)]:
         if target and target not in {r.name for r in regimes}:
@@ -168,9 +173,27 @@ def run_dir(exp: Experiment) -> Path:
     return Path(load_config(exp.base or None, exp.overrides).infra.run_dir) / exp.name
 
 
-def finished(exp: Experiment, regime: Regime) -> dict | None:
-    path = run_dir(exp) / regime.name / "summary.json"
+def settings_changed(exp: Experiment, regime: Regime) -> list[str]:
+    """The settings (`section.key`) in which a regime's run differs from what the experiment file sets for
+    it now: an edited regime is run again, not reported with its old run's figures. [] when they match,
+    or when the run left no config.yaml; a setting that only one of the two knows (one added to the code
+    since the run) is not compared."""
+    out = run_dir(exp) / regime.name
+    path = out / "config.yaml"
     if not path.exists():
+        return []
+    ran = yaml.safe_load(path.read_text()) or {}
+    now = yaml.safe_load(dump(load_config(exp.base or None, [*exp.overrides, *regime.overrides,
+                                                             *continued_overrides(out),
+                                                             f"infra.run_dir={run_dir(exp)}"])))
+    return sorted(f"{s}.{k}" for s, keys in now.items() for k, v in keys.items()
+                  if isinstance(ran.get(s), dict) and k in ran[s] and ran[s][k] != v)
+
+
+def finished(exp: Experiment, regime: Regime) -> dict | None:
+    """The summary of a regime's finished run, if its settings are still the regime's (settings_changed)."""
+    path = run_dir(exp) / regime.name / "summary.json"
+    if not path.exists() or settings_changed(exp, regime):
         return None
     summary = json.loads(path.read_text())
     return summary if summary.get("heldout_after") is not None else None
@@ -312,6 +335,7 @@ def results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str
             for r in exp.regimes if summaries.get(r.name)]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
             "regimes": rows, "missing": [r.name for r in exp.regimes if not summaries.get(r.name) and not r.extra],
+            "claims": claims.check(exp.roles, summaries) if exp.roles else [],
             "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
                         for p, a in (anchors or {}).items()}}
 
@@ -361,6 +385,7 @@ def markdown(res: dict) -> str:
             for p, a in res["anchors"].items()) + "."]
     if res["missing"]:
         lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
+    lines += claims.markdown_lines(res.get("claims", []))
     lines += ["", f"{res['regimes'][0]['episodes'] if res['regimes'] else 0} held-out episodes per regime; "
                   "the paired Δ resamples tasks (bootstrap, 10,000 draws). A regime trained more than once "
                   "(--repeats) shows the mean of its runs, each run's success after it, and intervals that "
@@ -416,6 +441,10 @@ def print_table(res: dict, console: Console) -> None:
         t.add_row(name, f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
                   str(r["real_transitions"]), str(r["synthetic_transitions"]), f"{r['wall_seconds'] or 0:.0f}")
     console.print(t)
+    for c in res.get("claims", []):
+        colour = {claims.MET: "green", claims.NOT_MET: "red"}.get(c["status"], "dim")
+        console.print(f"[{colour}]{c['target']}. {c['status']}[/]: {escape(c['claim'])}. {escape(c['detail'])}.",
+                      highlight=False)
 
 
 def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[str]) -> dict:
@@ -423,7 +452,11 @@ def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[s
     that died before its first, starts clean (a run dir holds its buffer, weights and Redis). A regime that
     `continues` another starts from that one's finished run (run first if it has not finished)."""
     old = run_dir(exp) / regime.name
-    last = checkpoint.latest(old) if old.exists() and base_name(regime.name) not in rerun else None
+    changed = settings_changed(exp, regime) if old.exists() else []
+    if changed:
+        console.print(f"[yellow]{regime.name}: the experiment file changed its settings since it ran "
+                      f"({', '.join(changed)}): starting it again[/]")
+    last = checkpoint.latest(old) if old.exists() and base_name(regime.name) not in rerun and not changed else None
     if last is not None:
         console.print(f"{regime.name}: resuming from {last}")
     elif old.exists():
@@ -504,7 +537,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for r in exp.regimes:
             done = len(runs_of(exp, r))
-            state = "to run" if not done else "done" if done == 1 else f"done ×{done}"
+            state = "done" if done == 1 else f"done ×{done}" if done else \
+                "changed" if (run_dir(exp) / r.name / "summary.json").exists() and settings_changed(exp, r) else "to run"
             console.print(f"{r.name:>28}  {state:7}  {'extra  ' if r.extra else ''}{r.about}",
                           markup=False, highlight=False)
         return 0

@@ -1,0 +1,164 @@
+"""The paper's four claims checked on an experiment's finished runs (infra/run/claims.py), and the runner's
+refusal to report a regime with its old run's figures after the experiment file changed its settings.
+
+The summaries are written as `dreamgym train` leaves them (summary.json, config.yaml); the runner is the
+real `dreamgym experiment` command, with `--report` and `--list` so that no regime trains here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from infra.config import ConfigError, dump, load_config
+from infra.run import claims
+from infra.run.claims import MET, NOT_MET, NOT_RUN, Roles
+from infra.run.experiment import load_experiment, regime_named, run_dir, settings_changed
+
+ROLES = Roles(sft="sft", dreamgym="dg", real="real", s2r="s2r", ablations=("no_a", "no_b"))
+
+
+def summary(wins: list[int], online_real: int = 0) -> dict:
+    per_task = [{"task_id": f"g{i}", "success": bool(w)} for i, w in enumerate(wins)]
+    return {"heldout_after": {"success_rate": sum(wins) / len(wins), "episodes": len(wins), "successes": sum(wins),
+                              "per_task": per_task}, "transitions": {"online_real": online_real}}
+
+
+def by_target(found: list[dict]) -> dict[int, dict]:
+    return {c["target"]: c for c in found}
+
+
+SFT = [1] * 10 + [0] * 30  # 0.25 on 40 tasks
+DG = [1] * 30 + [0] * 10  # 0.75: every SFT win kept, 20 more
+REAL = [1] * 32 + [0] * 8  # 0.80: DreamGym is 0.94x of it
+
+
+def test_all_four_claims_met_when_the_runs_show_them():
+    found = by_target(claims.check(ROLES, {
+        "sft": [summary(SFT)], "dg": [summary(DG)], "real": [summary(REAL, 1300)],
+        "s2r": [summary([1] * 34 + [0] * 6, 112)],  # above real, 8.6 % of its transitions
+        "no_a": [summary([1] * 20 + [0] * 20)], "no_b": [summary([1] * 28 + [0] * 12)]}))
+    assert [found[n]["status"] for n in (1, 2, 3, 4)] == [MET] * 4
+    assert found[1]["diff"] == pytest.approx(0.5) and found[1]["ci_low"] > 0
+    assert found[2]["ratio"] == pytest.approx(0.75 / 0.80)
+    assert found[3]["share"] == pytest.approx(112 / 1300) and "8.6 % of real's 1300" in found[3]["detail"]
+    assert found[4]["diffs"]["no_a"]["diff"] == pytest.approx(-0.25)
+
+
+def test_each_claim_fails_on_the_figure_that_decides_it():
+    base = {"sft": [summary(SFT)], "real": [summary(REAL, 1300)]}
+    # 1: a gain whose interval reaches 0 is not enough; nor is any online real transition
+    edge = [0] + [1] * 14 + [0] * 25  # +10 pts: 5 games gained, 1 lost; the interval reaches below 0
+    found = by_target(claims.check(ROLES, {**base, "dg": [summary(edge)]}))
+    assert found[1]["status"] == NOT_MET and found[1]["ci_low"] <= 0
+    found = by_target(claims.check(ROLES, {**base, "dg": [summary(DG, online_real=16)]}))
+    assert found[1]["status"] == NOT_MET and "16 online real transitions" in found[1]["detail"]
+    # 2: below 0.9x real RL
+    found = by_target(claims.check(ROLES, {**base, "dg": [summary([1] * 28 + [0] * 12)]}))
+    assert found[2]["status"] == NOT_MET and found[2]["ratio"] == pytest.approx(0.875)
+    # 3: above real RL, but with 15 % of its real transitions (sim-to-real's old 200 against 1,300)
+    found = by_target(claims.check(ROLES, {**base, "dg": [summary(DG)], "s2r": [summary([1] * 34 + [0] * 6, 200)]}))
+    assert found[3]["status"] == NOT_MET and "15.4 % of real's 1300" in found[3]["detail"]
+    found = by_target(claims.check(ROLES, {**base, "dg": [summary(DG)], "s2r": [summary(REAL, 100)]}))
+    assert found[3]["status"] == NOT_MET and found[3]["diff"] == 0  # level is not "beats"
+    # 4: one ablation level with the full regime is enough to miss it; an unrun one leaves it open
+    found = by_target(claims.check(ROLES, {**base, "dg": [summary(DG)], "no_a": [summary(SFT)],
+                                           "no_b": [summary(DG)]}))
+    assert found[4]["status"] == NOT_MET and "not below: no_b" in found[4]["detail"]
+    found = by_target(claims.check(ROLES, {**base, "dg": [summary(DG)], "no_a": [summary(SFT)]}))
+    assert found[4]["status"] == NOT_RUN and "not run: no_b" in found[4]["detail"]
+
+
+def test_claims_without_their_runs_say_what_they_need():
+    found = by_target(claims.check(ROLES, {"sft": [summary(SFT)]}))
+    assert {c["status"] for c in found.values()} == {NOT_RUN}
+    assert found[1]["detail"] == "needs dg" and found[3]["detail"] == "needs s2r and real"
+    assert found[4]["detail"] == "needs dg and no_a and no_b"
+
+
+def test_repeated_runs_are_pooled_as_in_the_table():
+    # two DreamGym runs, 0.75 and 0.55: their mean decides, and the interval spans both runs
+    second = [1] * 22 + [0] * 18
+    found = by_target(claims.check(ROLES, {"sft": [summary(SFT)], "dg": [summary(DG), summary(second)],
+                                           "real": [summary(REAL, 1300)]}))
+    assert found[1]["diff"] == pytest.approx(0.65 - 0.25) and "(2 runs)" in found[1]["detail"]
+    assert found[2]["ratio"] == pytest.approx(0.65 / 0.80) and found[2]["status"] == NOT_MET
+
+
+def test_roles_are_validated_against_the_regimes():
+    with pytest.raises(ConfigError, match="'nope' is not one of the regimes"):
+        Roles.parse({"sft": "sft", "dreamgym": "nope"}, ["sft", "dg"], "x.yaml: claims")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        Roles.parse({"baseline": "sft"}, ["sft"], "x.yaml: claims")
+    with pytest.raises(ConfigError, match="ablations must be a list"):
+        Roles.parse({"ablations": "no_a"}, ["no_a"], "x.yaml: claims")
+    for shipped in ("textworld_cpu", "textworld_gpu", "miniwob_cpu"):  # every shipped preset names its roles
+        roles = load_experiment(f"configs/experiments/{shipped}.yaml").roles
+        assert roles is not None and roles.dreamgym == "dreamgym_grpo" and roles.s2r == "dreamgym_s2r"
+
+
+def _experiment(tmp_path) -> tuple:
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"infra": {"run_dir": str(tmp_path / "runs"), "data_dir": str(tmp_path / "data")}}))
+    spec = tmp_path / "exp.yaml"
+    doc = {"name": "cl", "base": str(base), "compare_to": "sft",
+           "claims": {"sft": "sft", "dreamgym": "dg", "real": "real", "s2r": "s2r", "ablations": ["no_a"]},
+           "regimes": {"sft": {"overrides": ["learner.total_updates=0"]}, "dg": {},
+                       "real": {"overrides": ["actors.env_kind=real", "actors.real_transitions=2000"]},
+                       "s2r": {"continues": "dg", "overrides": ["learner.s2r_real_transitions=112"]},
+                       "no_a": {"overrides": ["curriculum.enabled=false"]}}}
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    exp = load_experiment(spec)
+    runs = {"sft": summary(SFT), "dg": summary(DG), "real": summary(REAL, 1300), "s2r": summary(REAL, 112),
+            "no_a": summary([1] * 20 + [0] * 20)}
+    for name, s in runs.items():  # as `dreamgym train` leaves a run: its summary and the settings it ran with
+        out = run_dir(exp) / name
+        out.mkdir(parents=True)
+        (out / "summary.json").write_text(json.dumps(s))
+        r = regime_named(exp, name)
+        (out / "config.yaml").write_text(dump(load_config(str(tmp_path / "base.yaml"), [
+            *r.overrides, f"infra.run_dir={run_dir(exp)}"])))
+    anchors = run_dir(exp) / "anchors"  # the scripted choosers' cache: no game is played here
+    anchors.mkdir()
+    for policy in ("random", "expert"):
+        (anchors / f"{policy}.json").write_text(json.dumps(
+            {"success_rate": 0.25, "ci_low": 0.1, "ci_high": 0.4, "episodes": 40, "mean_steps": 3.0}))
+    return spec, exp
+
+
+def test_the_report_states_each_claim_for_the_collection(tmp_path):
+    spec, exp = _experiment(tmp_path)
+    cmd = [sys.executable, "-m", "infra.cli", "experiment", str(spec)]
+    rep = subprocess.run([*cmd, "--report"], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
+    res = json.loads((run_dir(exp) / "results.json").read_text())
+    assert [(c["target"], c["status"]) for c in res["claims"]] == [(1, MET), (2, MET), (3, NOT_MET), (4, MET)]
+    md = (run_dir(exp) / "results.md").read_text()
+    assert "## The paper's claims on this collection" in md
+    assert "3. **not met**: s2r > real with <= 10 % of its real transitions." in md  # level with real, not above
+    out = " ".join(rep.stdout.split())
+    assert "1. met: dg, no online real transition, >= sft + 10 pts" in out and "3. not met" in out
+
+
+def test_a_regime_whose_settings_changed_is_not_reported_with_its_old_run(tmp_path):
+    spec, exp = _experiment(tmp_path)
+    assert all(settings_changed(exp, r) == [] for r in exp.regimes)
+    doc = yaml.safe_load(spec.read_text())  # the user edits sim-to-real's budget after it ran
+    doc["regimes"]["s2r"]["overrides"] = ["learner.s2r_real_transitions=64"]
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    exp = load_experiment(spec)
+    assert settings_changed(exp, regime_named(exp, "s2r")) == ["learner.s2r_real_transitions"]
+    cmd = [sys.executable, "-m", "infra.cli", "experiment", str(spec)]
+    listed = subprocess.run([*cmd, "--list"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    status = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines() if line.strip()}
+    assert status == {"sft": "done", "dg": "done", "real": "done", "s2r": "changed", "no_a": "done"}
+    rep = subprocess.run([*cmd, "--report"], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
+    res = json.loads((run_dir(exp) / "results.json").read_text())
+    assert res["missing"] == ["s2r"] and "s2r" not in {r["regime"] for r in res["regimes"]}
+    assert res["claims"][2]["status"] == NOT_RUN
