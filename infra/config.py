@@ -260,6 +260,7 @@ class LearnerConfig:
     gae_lambda: float = _f(0.95, "PPO GAE lambda.", UNIT)
     value_coef: float = _f(0.5, "PPO value-loss weight.", NON_NEGATIVE)
     groups_per_update: int = _f(4, "GRPO groups (or PPO trajectories / group_size) per gradient update.", POSITIVE)
+    max_groups_per_update: int = _f(0, "Most task groups one update waits through: once this many groups have come in since the last update (whatever their outcome: zero-variance, stale and broken ones count), it trains on the units it holds even if fewer than groups_per_update, so an update's rollout cost is bounded where few groups carry reward variance (a weak Mexp); 0 = wait for groups_per_update usable ones, however many groups that takes.", NON_NEGATIVE)
     epochs_per_batch: int = _f(1, "Passes over each batch.", POSITIVE)
     minibatches: int = _f(1, "Optimizer steps per pass: the batch is split into this many mini-batches of whole units (GRPO groups, PPO trajectories), each one clipped step, as PPO's mini-batches and verl's ppo_mini_batch_size; old log-probs and advantages are fixed before the first. More steps for the same rollouts and the same compute (AdamW moves each weight by about lr per step).", POSITIVE)
     max_staleness: int = _f(2, "Most weight versions a trajectory may lag the learner.", NON_NEGATIVE)

@@ -48,6 +48,7 @@ DASHBOARDS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ("Mean staleness (versions)",
          "sum(learner_staleness_versions_sum) / clamp_min(sum(learner_staleness_versions_count), 1)", "none"),
         ("Non-finite updates", "sum(learner_nonfinite_updates_total)", "none"),
+        ("Short updates by reason", "sum by (reason) (learner_short_updates_total)", "none"),
         ("Weight version", "learner_weight_version", "none"),
         ("Update p95 (s)", "histogram_quantile(0.95, sum by (le) (rate(learner_update_seconds_bucket[5m])))", "s"),
     ]),

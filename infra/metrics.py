@@ -117,6 +117,7 @@ LEARNER_KL = Gauge("learner_kl", "Last mean KL to the reference policy.")
 LEARNER_CLIP_FRACTION = Gauge("learner_clip_fraction", "Share of ratios clipped in the last update.")
 LEARNER_STALENESS = Histogram("learner_staleness_versions", "Weight versions between a trajectory's policy and the learner.", buckets=(0, 1, 2, 3, 4, 8, 16))
 LEARNER_WEIGHT_VERSION = Gauge("learner_weight_version", "Weight version the learner has published.")
+LEARNER_SHORT_UPDATES = Counter("learner_short_updates_total", "Updates trained on fewer units than learner.groups_per_update: `group_cap` once learner.max_groups_per_update groups had come in since the last update, `final` once no more would come (a spent real-transition budget).", ["reason"])
 LEARNER_ZERO_VARIANCE_GROUPS = Counter("learner_zero_variance_groups_total", "GRPO groups skipped because all rewards were equal.")
 LEARNER_UPDATE_SECONDS = Histogram("learner_update_seconds", "Wall time of one gradient update.", buckets=_LATENCY)
 LEARNER_NONFINITE_UPDATES = Counter("learner_nonfinite_updates_total", "Updates undone because the loss, a gradient or the new weights were not finite (weights restored, nothing published).", ["where"])
@@ -143,6 +144,8 @@ for _where in ("loss", "gradient", "weights"):
     LEARNER_NONFINITE_UPDATES.labels(where=_where)
 for _change in ("dropped", "added"):
     SIMULATOR_CHECKED_ACTIONS.labels(change=_change)
+for _reason in ("group_cap", "final"):
+    LEARNER_SHORT_UPDATES.labels(reason=_reason)
 
 
 def engine_queue_depth() -> float:

@@ -17,7 +17,10 @@ Owns the learner's bookkeeping of stream entries, not the update maths
    GRPO groups whose rewards are all equal (`zero_variance`: no advantage to learn from);
    every set-aside entry is counted, never left pending;
 4. hand out `groups_per_update` units at a time; the learner reports each batch as
-   `trained`, `requeue`d (a failed update: retried once) or `dead_letter`ed.
+   `trained`, `requeue`d (a failed update: retried once) or `dead_letter`ed. With
+   `max_groups_per_update`, a batch is handed out short once that many groups have come
+   in since the last one (DAPO's dynamic sampling bounds its generation batches the same
+   way, `max_num_gen_batches`, but stops with an error where this trains on what it has).
 
 Acks of used entries are deferred: an entry used by an update or set aside is only
 *queued* for acking; `flush_acks()` XACKs the queue, and the learner calls it
@@ -80,6 +83,7 @@ class GroupBatcher:
         self._held_ids: dict[str, bytes] = {}
         self._seen: "OrderedDict[str, None]" = OrderedDict()
         self._ready: list[Unit] = []
+        self._came_in = 0  # groups completed (any outcome) since the last batch was handed out
         self._discarded: dict[str, int] = {}
         self.set_aside: dict[str, int] = {}  # trajectories set aside by outcome, since this process started
         self.env_kind: EnvKind | None = None  # the RL phase's environment kind; others are set aside (None: any)
@@ -121,11 +125,16 @@ class GroupBatcher:
             await self._intake()
         await self._form_units(version, final)
         n = self.units_needed
-        if final and self._ready:
+        cap = self.cfg.max_groups_per_update
+        capped = bool(cap) and self._came_in >= cap
+        if (final or capped) and self._ready:
             n = min(n, len(self._ready))
         if len(self._ready) < n:
             return None
         units, self._ready = self._ready[:n], self._ready[n:]
+        if len(units) < self.units_needed:
+            metrics.LEARNER_SHORT_UPDATES.labels(reason="final" if final else "group_cap").inc()
+        self._came_in = 0
         return units
 
     def trained(self, units: list[Unit]) -> None:
@@ -245,6 +254,7 @@ class GroupBatcher:
                 continue
             del self._groups[key]
             self._group_seen_at.pop(key, None)
+            self._came_in += 1
             kept, corrected, broken, stale, other = [], [], [], [], []
             for h in members:
                 t = h.traj
