@@ -16,7 +16,8 @@ read or write the run's streams. The password reaches the server through a 0600
 config file (never the command line, which `ps` shows) and clients through `url`;
 it is also kept in a 0600 `password_file`. Owns, too, the running job's record
 `<run_dir>/latest.json`, which lets `dreamgym scale/status/tasks` find the job's Redis:
-it holds the URL without the password and the path of that file, never the secret.
+it holds the URL without the password and the path of that file, never the secret (the
+newest record wins, an experiment's regime's one folder down included).
 And `run_snapshot`: a finished run's `<run_dir>/redis/` served from a copy, for `dreamgym tasks --run`.
 """
 
@@ -212,12 +213,21 @@ def write_job_record(run_root: str | Path, prefix: str, run_dir: str | Path, ser
     return path
 
 
+def latest_record_path(run_root: str | Path) -> Path | None:
+    """The newest job record under `run_root`: its own latest.json, or an experiment's, one folder
+    down (`dreamgym experiment` runs each regime with infra.run_dir=<run_root>/<experiment>), so
+    `dreamgym status` finds the regime running now without being told the experiment's folder."""
+    root = Path(run_root)
+    found = [p for p in [root / "latest.json", *root.glob("*/latest.json")] if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
 def read_job_record(run_root: str | Path, with_password: bool = True) -> dict:
-    """The latest job's record, or {} when no job was recorded. With `with_password` its
-    `redis_url` is one clients can connect with (the password read from the file the record
-    names); without, the file is not touched (the caller has its own URL and wants the prefix)."""
-    path = Path(run_root) / "latest.json"
-    if not path.exists():
+    """The latest job's record (latest_record_path), or {} when no job was recorded. With
+    `with_password` its `redis_url` is one clients can connect with (the password read from the file
+    the record names); without, the file is not touched (the caller has its own URL and wants the prefix)."""
+    path = latest_record_path(run_root)
+    if path is None:
         return {}
     try:
         record = json.loads(path.read_text())

@@ -100,6 +100,21 @@ def test_status_scale_and_tasks_reach_the_running_job_through_its_record(job):
         assert server.password not in out.stdout + out.stderr
 
 
+def test_status_finds_the_regime_an_experiment_runs_now(job, tmp_path):
+    """`dreamgym experiment` runs each regime with infra.run_dir=<runs>/<experiment>: a plain
+    `dreamgym status` takes the newest record, that regime's, over an older job's in <runs>."""
+    runs, server = job
+    older = runs / "latest.json"
+    os.utime(older, (older.stat().st_mtime - 60,) * 2)
+    with EmbeddedRedis(password_file=runs / "exp" / "sft" / "redis.password") as regime:
+        write_job_record(runs / "exp", "dreamgym:sft", runs / "exp" / "sft", regime)
+        assert read_job_record(runs)["prefix"] == "dreamgym:sft"
+        status = _cli("status", f"infra.run_dir={runs}", "--json")
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["streams"][0]["stream"] == "dreamgym:sft:tasks"
+    assert read_job_record(runs / "exp" / "sft") == {}  # a run's own folder holds no record
+
+
 def test_an_unreadable_password_file_is_a_clear_error(job):
     runs, server = job
     server.password_file.unlink()

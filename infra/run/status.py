@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     prefix = args.prefix or job.get("prefix") or cfg.infra.stream_prefix
     if not url:
         print("no Redis configured (infra.redis_url is empty, and no running job is recorded in "
-              f"{cfg.infra.run_dir}/latest.json); pass --redis-url")
+              f"{cfg.infra.run_dir}/latest.json or {cfg.infra.run_dir}/*/latest.json); pass --redis-url")
         return 1
     report = asyncio.run(collect_status(url, prefix, cfg.infra.redis_tls_ca))
     if args.json:
