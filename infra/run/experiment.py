@@ -9,7 +9,8 @@ under `<run_dir>/<experiment>/<regime>/`, which leaves its summary.json: held-ou
 real success with per-task results, real and synthetic transitions counted exactly,
 the Mexp's fidelity, wall time. Regimes that finished are skipped, and one stopped
 after a learner checkpoint continues from it, so an interrupted experiment resumes
-where it stopped. A regime that `continues` another (sim-to-real after DreamGym GRPO)
+where it stopped; a run whose settings (its config.yaml) differ from what the file now
+sets for its regime is neither skipped, resumed nor reported: the regime starts again. A regime that `continues` another (sim-to-real after DreamGym GRPO)
 starts from that one's finished run (infra/run/fork.py), so a shared first part trains once;
 the file's loading checks that the two differ only in what acts after that run's end.
 A regime marked `extra: true` (a variant beside the paper's table, such as the
@@ -22,8 +23,9 @@ The results: `results.json` and `results.md` (success with a 95 % Wilson interva
 the paired difference to the `compare_to` regime, the experiment's or a regime's own,
 with a bootstrap interval over tasks (and over runs, for a regime that ran more than once: its
 success is then the mean of its runs, actors/confidence.runs_bootstrap), real transitions used, synthetic transitions,
-Mexp reward accuracy and ΔR, wall time) and `success_vs_real.png` (held-out success against online real
-transitions used). Beside the regimes, the scripted random and expert choosers play the
+Mexp reward accuracy and ΔR, wall time), the paper's four claims checked on those runs
+(infra/run/claims.py, for the regimes the file names under `claims:`) and `success_vs_real.png`
+(held-out success against online real transitions used). Beside the regimes, the scripted random and expert choosers play the
 same held-out games (`dreamgym eval --policy random|expert`, seconds each): the floor
 and the ceiling a learned policy sits between. Caches are keyed by content (infra/run/artifacts.py), so regimes
 share the offline data and the policy warm start, and an ablation that changes how
