@@ -67,6 +67,11 @@ def _per_task(runs: list[dict]) -> list[list[dict]]:
     return [r["heldout_after"].get("per_task", []) for r in runs]
 
 
+def _paired(a: list[dict], b: list[dict]) -> PairedDifference:
+    """Side a's runs minus side b's on the same held-out tasks (one run a side: the paired bootstrap)."""
+    return compare_runs(_per_task(a), _per_task(b))
+
+
 def _rate(runs: list[dict]) -> float:
     return sum(r["heldout_after"]["success_rate"] for r in runs) / len(runs)
 
@@ -106,7 +111,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]]) -> list[dict]:
     if not (dg and sft):
         out.append(_claim(1, text, NOT_RUN, _needs((roles.dreamgym, dg), (roles.sft, sft))))
     else:
-        d, online = compare_runs(_per_task(dg), _per_task(sft)), _online_real(dg)
+        d, online = _paired(dg, sft), _online_real(dg)
         ok = d.diff >= SFT_MARGIN - 1e-9 and d.ci_low > 0 and online == 0
         out.append(_claim(1, text, MET if ok else NOT_MET,
                           f"{_named(roles.dreamgym, dg)} vs {_named(roles.sft, sft)}: {_pts(d)}; "
@@ -117,7 +122,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]]) -> list[dict]:
         out.append(_claim(2, text, NOT_RUN, _needs((roles.dreamgym, dg), (roles.real, real))))
     else:
         ratio = _rate(dg) / _rate(real) if _rate(real) > 0 else float("inf")
-        d = compare_runs(_per_task(dg), _per_task(real))
+        d = _paired(dg, real)
         out.append(_claim(2, text, MET if ratio >= REAL_RATIO - 1e-9 else NOT_MET,
                           f"{_named(roles.dreamgym, dg)} vs {_named(roles.real, real)}: {ratio:.2f}x, paired {_pts(d)}",
                           ratio=ratio, diff=d.diff, ci_low=d.ci_low, ci_high=d.ci_high))
@@ -127,7 +132,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]]) -> list[dict]:
     if not (s2r and real):
         out.append(_claim(3, text, NOT_RUN, _needs((roles.s2r, s2r), (roles.real, real))))
     else:
-        d = compare_runs(_per_task(s2r), _per_task(real))
+        d = _paired(s2r, real)
         mine, theirs = _online_real(s2r), _online_real(real)
         share = mine / theirs if theirs > 0 else float("inf")
         ok = d.diff > 0 and share <= S2R_SHARE + 1e-9
@@ -144,7 +149,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]]) -> list[dict]:
         out.append(_claim(4, text, NOT_RUN, _needs((roles.dreamgym, dg), *((a, of(a)) for a in roles.ablations))
                           if roles.ablations else "the experiment names no ablation"))
     else:
-        diffs = {a: compare_runs(_per_task(of(a)), _per_task(dg)) for a in ran}
+        diffs = {a: _paired(of(a), dg) for a in ran}
         above = [a for a in ran if diffs[a].diff >= 0]
         missing = [a for a in roles.ablations if a not in ran]
         status = NOT_MET if above else NOT_RUN if missing else MET

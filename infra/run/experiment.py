@@ -175,6 +175,13 @@ def run_dir(exp: Experiment) -> Path:
     return Path(load_config(exp.base or None, exp.overrides).infra.run_dir) / exp.name
 
 
+def train_args(exp: Experiment, regime: Regime) -> list[str]:
+    """The preset and overrides a regime's `dreamgym train` child gets: the regime's own, what a continued
+    run keeps (continued.json), and the experiment's run directory."""
+    return [*exp.config_args(regime), *continued_overrides(run_dir(exp) / regime.name),
+            f"infra.run_dir={run_dir(exp)}"]
+
+
 def settings_changed(exp: Experiment, regime: Regime) -> list[str]:
     """The settings (`section.key`) in which a regime's run differs from what the experiment file sets for
     it now: an edited regime is run again, not reported with its old run's figures. [] when they match,
@@ -185,9 +192,8 @@ def settings_changed(exp: Experiment, regime: Regime) -> list[str]:
     if not path.exists():
         return []
     ran = yaml.safe_load(path.read_text()) or {}
-    now = yaml.safe_load(dump(load_config(exp.base or None, [*exp.overrides, *regime.overrides,
-                                                             *continued_overrides(out),
-                                                             f"infra.run_dir={run_dir(exp)}"])))
+    base, *overrides = train_args(exp, regime)
+    now = yaml.safe_load(dump(load_config(base or None, overrides)))
     return sorted(f"{s}.{k}" for s, keys in now.items() for k, v in keys.items()
                   if isinstance(ran.get(s), dict) and k in ran[s] and ran[s][k] != v)
 
@@ -248,8 +254,8 @@ def run_regime(exp: Experiment, regime: Regime, console: Console, resume: bool =
     Output goes to <regime>/train.log."""
     out = run_dir(exp) / regime.name
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "infra.cli", "train", *exp.config_args(regime), *continued_overrides(out),
-           f"infra.run_dir={run_dir(exp)}", "--name", regime.name, *(["--resume"] if resume else [])]
+    cmd = [sys.executable, "-m", "infra.cli", "train", *train_args(exp, regime), "--name", regime.name,
+           *(["--resume"] if resume else [])]
     console.print(f"[bold]{regime.name}[/]: {regime.about or ''}")
     console.print(f"  {' '.join(cmd[1:])}", markup=False, highlight=False)
     t0 = time.time()
