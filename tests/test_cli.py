@@ -58,6 +58,16 @@ def test_status_reports_streams_pending_and_dead_letters(redis_url):
     assert "dreamgym:tasks" in table.stdout
 
 
+def test_status_never_cuts_a_stream_name_short(redis_url):
+    # an experiment's regime names its streams (dreamgym:dreamgym_grpo:tasks); 80 columns must show them whole
+    env = dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="80")
+    out = subprocess.run([*CLI, "status", "--redis-url", redis_url, "--prefix", "dreamgym:dreamgym_s2r_strong_mexp480"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "dreamgym:dreamgym_s2r_strong_mexp480:tasks" in out.stdout, out.stdout
+    assert "dreamgym:dreamgym_s2r_strong_mexp480:trajectories" in out.stdout, out.stdout
+
+
 def test_status_unreachable_exits_nonzero():
     out = _run("status", "--redis-url", "redis://127.0.0.1:1/0")
     assert out.returncode == 1 and "unreachable" in out.stdout

@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"[red]redis {report['redis']} unreachable[/red]: {report['error']}")
             return 1
         table = Table(title=f"redis {report['redis']}")
-        for col in ("stream", "length", "group", "consumers", "pending", "lag", "dead letters"):
+        # A stream's name is its run (an experiment's regime: dreamgym:dreamgym_grpo:tasks): never cut short
+        table.add_column("stream", no_wrap=True, min_width=max(len(s["stream"]) for s in report["streams"]))
+        for col in ("length", "group", "consumers", "pending", "lag", "dead letters"):
             table.add_column(col)
         for s in report["streams"]:
             groups = s["groups"] or [{"group": "-", "consumers": "-", "pending": "-", "lag": "-"}]
