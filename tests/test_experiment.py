@@ -276,6 +276,9 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     anchors = res["anchors"]  # the scripted floor and ceiling on the same held-out games
     assert anchors["expert"]["success_rate"] == 1.0 and anchors["random"]["episodes"] == 2
     assert "Scripted choosers on the same held-out games: random" in (out / "results.md").read_text()
+    walls = [rows[r]["wall_seconds"] for r in ("base", "real_grpo")]  # the table's time: its regimes' own, summed
+    assert res["table_seconds"] == pytest.approx(sum(walls)) and res["table_regimes_run"] == 2
+    assert "Wall time: the table's 2 regimes took 0 h" in proc.stdout and "Wall time" in (out / "results.md").read_text()
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # resumable: nothing to redo
     assert again.returncode == 0 and again.stdout.count("finished earlier, skipped") == 2
     # a regime stopped after a learner checkpoint (here: its summary lost) continues from it, and still
@@ -400,6 +403,13 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
                               "per_task": [{"task_id": "g", "success": True}]}}
     res = results(load_experiment(spec), {"b": [done]})
     assert res["missing"] == ["a"] and [r["regime"] for r in res["regimes"]] == ["b"]
+    assert res["table_regimes_run"] == 0 and "Wall time" not in markdown(res)  # an extra regime is not the table's
+    # the table's wall time: its regimes' runs summed, repeats included, extra regimes not
+    spec.write_text(yaml.safe_dump({"regimes": {"a": {}, "c": {}, "d": {}, "b": {"extra": True}}}))
+    res = results(load_experiment(spec), {"a": [{**done, "total_seconds": 3000.0}, {**done, "total_seconds": 1000.0}],
+                                          "c": [{**done, "total_seconds": 1500.0}], "b": [{**done, "total_seconds": 9e3}]})
+    assert res["table_seconds"] == 5500.0 and res["table_regimes_run"] == 2
+    assert "Wall time: 2 of the table's 3 regimes took 1 h 31 min" in markdown(res)
     spec.write_text(yaml.safe_dump({"regimes": {"a": {"extra": "yes"}}}))
     with pytest.raises(ConfigError, match="regimes.a.extra must be true or false"):
         load_experiment(spec)

@@ -341,8 +341,12 @@ def results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str
     """The experiment's results from each regime's finished runs (`runs_of`)."""
     rows = [row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs)
             for r in exp.regimes if summaries.get(r.name)]
+    table = [r for r in exp.regimes if not r.extra and summaries.get(r.name)]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
             "regimes": rows, "missing": [r.name for r in exp.regimes if not summaries.get(r.name) and not r.extra],
+            # each run's own wall time (a continuing regime's counts its own part), summed over the table's
+            "table_seconds": sum(s.get("total_seconds") or 0 for r in table for s in summaries[r.name]),
+            "table_regimes_run": len(table),
             "claims": claims.check(exp.roles, summaries) if exp.roles else [],
             "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
                         for p, a in (anchors or {}).items()}}
@@ -364,6 +368,14 @@ def _runs(r: dict) -> str:
 
 def _pct(x: Any) -> str:
     return "–" if x is None else f"{100 * x:.1f}"
+
+
+def wall_time(res: dict) -> str:
+    """The table's wall time: its regimes' runs, each its own time, summed."""
+    t, n = res["table_seconds"], res["table_regimes_run"]
+    of = f"{n} of the table's {n + len(res['missing'])} regimes" if res["missing"] else f"the table's {n} regimes"
+    return (f"Wall time: {of} took {int(t // 3600)} h {int(t % 3600 // 60):02d} min, each run's own time summed "
+            "(a regime that continues another counts only its own part).")
 
 
 def markdown(res: dict) -> str:
@@ -391,6 +403,8 @@ def markdown(res: dict) -> str:
         lines += ["", "Scripted choosers on the same held-out games: " + ", ".join(
             f"{p} {_pct(a['success_rate'])} [{_pct(a['ci_low'])}, {_pct(a['ci_high'])}]"
             for p, a in res["anchors"].items()) + "."]
+    if res.get("table_regimes_run"):
+        lines += ["", wall_time(res)]
     if res["missing"]:
         lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
     lines += claims.markdown_lines(res.get("claims", []))
@@ -449,6 +463,8 @@ def print_table(res: dict, console: Console) -> None:
         t.add_row(name, f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
                   str(r["real_transitions"]), str(r["synthetic_transitions"]), f"{r['wall_seconds'] or 0:.0f}")
     console.print(t)
+    if res.get("table_regimes_run"):
+        console.print(wall_time(res), highlight=False)
     for c in res.get("claims", []):
         colour = {claims.MET: "green", claims.NOT_MET: "red"}.get(c["status"], "dim")
         console.print(f"[{colour}]{c['target']}. {c['status']}[/]: {escape(c['claim'])}. {escape(c['detail'])}.",
