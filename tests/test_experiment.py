@@ -308,6 +308,9 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     # the source's exact counters came along under the new name: its 6 real transitions (so its spent budget
     # ended the resumed phase at once), its pushed trajectories, its updates
     assert summary["transitions"]["online_real"] == 6 and summary["updates"] == source["updates"]
+    rows = {r["regime"]: r for r in json.loads((out / "results.json").read_text())["regimes"]}
+    assert summary["total_seconds"] > source["total_seconds"]  # its history holds the source's time ...
+    assert rows["real_more"]["wall_seconds"] == pytest.approx(summary["total_seconds"] - source["total_seconds"])
     assert summary["trajectories_pushed"] == source["trajectories_pushed"] > 0
 
 
@@ -410,6 +413,12 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
                                           "c": [{**done, "total_seconds": 1500.0}], "b": [{**done, "total_seconds": 9e3}]})
     assert res["table_seconds"] == 5500.0 and res["table_regimes_run"] == 2
     assert "Wall time: 2 of the table's 3 regimes took 1 h 31 min" in markdown(res)
+    # a run that continues another carries its history, so its total holds the source's time: counted once
+    spec.write_text(yaml.safe_dump({"regimes": {"a": {}, "s": {"continues": "a",
+                                                               "overrides": ["learner.s2r_real_transitions=9"]}}}))
+    res = results(load_experiment(spec), {"a": [{**done, "total_seconds": 3000.0}],
+                                          "s": [{**done, "total_seconds": 3200.0}]})
+    assert [r["wall_seconds"] for r in res["regimes"]] == [3000.0, 200.0] and res["table_seconds"] == 3200.0
     spec.write_text(yaml.safe_dump({"regimes": {"a": {"extra": "yes"}}}))
     with pytest.raises(ConfigError, match="regimes.a.extra must be true or false"):
         load_experiment(spec)
