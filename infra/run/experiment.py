@@ -337,7 +337,7 @@ def _paired(a: dict, b: dict) -> dict:
     return {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks}
 
 
-def own_seconds(exp: Experiment, regime: Regime, summaries: dict[str, list[dict]]) -> list[float]:
+def own_seconds(regime: Regime, summaries: dict[str, list[dict]]) -> list[float]:
     """The wall time of each of a regime's runs, its own part only: a run that continues another's finished
     run carries that run's history, so its total includes the source's time, which is subtracted here."""
     source = summaries.get(regime.continues, []) if regime.continues else []
@@ -351,12 +351,12 @@ def results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str
     for r in exp.regimes:
         if summaries.get(r.name):
             rows.append(row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs))
-            rows[-1]["wall_seconds"] = own_seconds(exp, r, summaries)[0]  # the first run's, as the row's other costs
+            rows[-1]["wall_seconds"] = own_seconds(r, summaries)[0]  # the first run's, as the row's other costs
     table = [r for r in exp.regimes if not r.extra and summaries.get(r.name)]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
             "regimes": rows, "missing": [r.name for r in exp.regimes if not summaries.get(r.name) and not r.extra],
             # each run's own wall time (a continuing regime's counts its own part), summed over the table's
-            "table_seconds": sum(sum(own_seconds(exp, r, summaries)) for r in table),
+            "table_seconds": sum(sum(own_seconds(r, summaries)) for r in table),
             "table_regimes_run": len(table),
             "claims": claims.check(exp.roles, summaries) if exp.roles else [],
             "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
