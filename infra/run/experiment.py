@@ -293,7 +293,8 @@ def run_anchors(exp: Experiment, console: Console) -> dict[str, dict]:
     return reports
 
 
-def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, baseline_name: str) -> dict:
+def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, baseline_name: str,
+        wall_seconds: float | None = None) -> dict:
     """One regime's line of the results: success and its interval, the paired difference, the costs.
 
     `runs` (and `baseline`) hold the summaries of each of the regime's runs. One run: its success with
@@ -316,7 +317,7 @@ def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, ba
            "offline_real_transitions": tr.get("offline_real", 0), "synthetic_transitions": tr.get("synthetic", 0),
            "mexp_reward_accuracy": fid.get("reward_accuracy"), "mexp_delta_r": fid.get("delta_r_mean"),
            "mexp_reward_recall": fid.get("reward_recall"), "mexp_reward_precision": fid.get("reward_precision"),
-           "mexp_below_threshold": fid.get("below_threshold"), "wall_seconds": s.get("total_seconds"),
+           "mexp_below_threshold": fid.get("below_threshold"), "wall_seconds": s.get("total_seconds") if wall_seconds is None else wall_seconds,
            "train_seconds": s.get("train_seconds")}
     if baseline and name != baseline_name:
         d = compare_runs([r["heldout_after"].get("per_task", []) for r in runs],
@@ -340,23 +341,23 @@ def _paired(a: dict, b: dict) -> dict:
 def own_seconds(regime: Regime, summaries: dict[str, list[dict]]) -> list[float]:
     """The wall time of each of a regime's runs, its own part only: a run that continues another's finished
     run carries that run's history, so its total includes the source's time, which is subtracted here."""
-    source = summaries.get(regime.continues, []) if regime.continues else []
-    return [max(0.0, (s.get("total_seconds") or 0.0) - (source[i].get("total_seconds") or 0.0 if i < len(source) else 0.0))
+    source = [s.get("total_seconds") or 0.0 for s in summaries.get(regime.continues, [])] if regime.continues else []
+    return [max(0.0, (s.get("total_seconds") or 0.0) - (source[i] if i < len(source) else 0.0))
             for i, s in enumerate(summaries[regime.name])]
 
 
 def results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str, dict] | None = None) -> dict:
     """The experiment's results from each regime's finished runs (`runs_of`)."""
-    rows = []
-    for r in exp.regimes:
-        if summaries.get(r.name):
-            rows.append(row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs))
-            rows[-1]["wall_seconds"] = own_seconds(r, summaries)[0]  # the first run's, as the row's other costs
-    table = [r for r in exp.regimes if not r.extra and summaries.get(r.name)]
+    ran = [r for r in exp.regimes if summaries.get(r.name)]
+    own = {r.name: own_seconds(r, summaries) for r in ran}
+    rows = [row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs,
+                wall_seconds=own[r.name][0])  # the first run's, as the row's other costs
+            for r in ran]
+    table = [r for r in ran if not r.extra]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
             "regimes": rows, "missing": [r.name for r in exp.regimes if not summaries.get(r.name) and not r.extra],
             # each run's own wall time (a continuing regime's counts its own part), summed over the table's
-            "table_seconds": sum(sum(own_seconds(r, summaries)) for r in table),
+            "table_seconds": sum(sum(own[r.name]) for r in table),
             "table_regimes_run": len(table),
             "claims": claims.check(exp.roles, summaries) if exp.roles else [],
             "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
