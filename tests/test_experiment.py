@@ -309,8 +309,10 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     # ended the resumed phase at once), its pushed trajectories, its updates
     assert summary["transitions"]["online_real"] == 6 and summary["updates"] == source["updates"]
     rows = {r["regime"]: r for r in json.loads((out / "results.json").read_text())["regimes"]}
-    assert summary["total_seconds"] > source["total_seconds"]  # its history holds the source's time ...
-    assert rows["real_more"]["wall_seconds"] == pytest.approx(summary["total_seconds"] - source["total_seconds"])
+    # its history holds the source's clock at its last update (none where the source made no update) ...
+    carried = source["history"][-1]["wall"] if source["history"] else 0.0
+    assert summary["total_seconds"] > carried and summary["history"][:len(source["history"])] == source["history"]
+    assert rows["real_more"]["wall_seconds"] == pytest.approx(summary["total_seconds"] - carried)  # ... not its own
     assert summary["trajectories_pushed"] == source["trajectories_pushed"] > 0
 
 
@@ -416,9 +418,10 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
     # a run that continues another carries its history, so its total holds the source's time: counted once
     spec.write_text(yaml.safe_dump({"regimes": {"a": {}, "s": {"continues": "a",
                                                                "overrides": ["learner.s2r_real_transitions=9"]}}}))
-    res = results(load_experiment(spec), {"a": [{**done, "total_seconds": 3000.0}],
+    # (to the source's last update: its final evaluation after it is not carried)
+    res = results(load_experiment(spec), {"a": [{**done, "total_seconds": 3000.0, "history": [{"wall": 2900.0}]}],
                                           "s": [{**done, "total_seconds": 3200.0}]})
-    assert [r["wall_seconds"] for r in res["regimes"]] == [3000.0, 200.0] and res["table_seconds"] == 3200.0
+    assert [r["wall_seconds"] for r in res["regimes"]] == [3000.0, 300.0] and res["table_seconds"] == 3300.0
     spec.write_text(yaml.safe_dump({"regimes": {"a": {"extra": "yes"}}}))
     with pytest.raises(ConfigError, match="regimes.a.extra must be true or false"):
         load_experiment(spec)

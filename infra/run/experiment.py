@@ -338,10 +338,17 @@ def _paired(a: dict, b: dict) -> dict:
     return {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks}
 
 
+def carried_seconds(source: dict) -> float:
+    """The wall time a run that continues `source`'s finished run carries: that run's clock at its last
+    update (the checkpoint continued from; RunHistory.resume), not its total, which adds its final evaluation."""
+    history = source.get("history") or []
+    return float(history[-1].get("wall", history[-1].get("t", 0.0))) if history else 0.0
+
+
 def own_seconds(regime: Regime, summaries: dict[str, list[dict]]) -> list[float]:
     """The wall time of each of a regime's runs, its own part only: a run that continues another's finished
-    run carries that run's history, so its total includes the source's time, which is subtracted here."""
-    source = [s.get("total_seconds") or 0.0 for s in summaries.get(regime.continues, [])] if regime.continues else []
+    run carries that run's history, so its total includes the source's time to its last update."""
+    source = [carried_seconds(s) for s in summaries.get(regime.continues, [])] if regime.continues else []
     return [max(0.0, (s.get("total_seconds") or 0.0) - (source[i] if i < len(source) else 0.0))
             for i, s in enumerate(summaries[regime.name])]
 
