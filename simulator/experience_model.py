@@ -25,6 +25,8 @@ Departures from the paper:
   ("drop cloak" under "Inventory: nothing") are dropped, the ones the world always offers and
   Mexp left out ("drop X" for each thing carried) are added, and a state left with none is
   re-sampled like an unparseable one.
+- `cfg.reply_memo`: a greedy request identical to an earlier one is answered with that one's
+  reply, not generated again (simulator/reply_memo.py).
 - `cfg.reward_check`: a reward of 1 that the reply's own reasoning contradicts (its to-do check
   marks an item of the state's To do line "(not yet)" or leaves one out,
   simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state and done stay as
@@ -34,6 +36,7 @@ Departures from the paper:
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 from typing import Any, Sequence
@@ -46,6 +49,7 @@ from infra.schema import Task
 from simulator import prompts
 from simulator.mexp_output import MexpOutput, MexpParseError, contradicted_reward, parse_mexp_output, parse_state_only
 from simulator.replay_buffer import Transition
+from simulator.reply_memo import ReplyMemo
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +68,13 @@ async def _maybe_await(value: Any) -> Any:
 
 
 class ExperienceModel:
-    def __init__(self, client: Any, buffer: Any, cfg: SimulatorConfig, tokenizer: Any) -> None:
+    def __init__(self, client: Any, buffer: Any, cfg: SimulatorConfig, tokenizer: Any,
+                 memo: ReplyMemo | None = None) -> None:
         self.client = client
         self.buffer = buffer
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.memo = memo if memo is not None else ReplyMemo(0)  # shared by a run's models (reply_memo.py)
         self.attempts = 0
         self.parse_failures = 0
 
@@ -115,9 +121,9 @@ class ExperienceModel:
         text = ""
         for _ in range(1 + self.cfg.parse_retries):
             self.attempts += 1
-            res = await self.client.generate(prompt, sampling_params={
-                "max_new_tokens": self.cfg.max_new_tokens, "temperature": self.cfg.temperature,
-                "stop": [stop]}, affinity_key=affinity or None)
+            params = {"max_new_tokens": self.cfg.max_new_tokens, "temperature": self.cfg.temperature, "stop": [stop]}
+            res = await self.memo.get(ReplyMemo.key(prompt, params), functools.partial(
+                self.client.generate, prompt, sampling_params=params, affinity_key=affinity or None))
             text = (head + res.text).rstrip()
             # The engine strips the matched stop string; put it back unless the reply was cut by length.
             if not text.endswith(stop) and str(res.finish_reason) != "length":

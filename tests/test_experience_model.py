@@ -8,6 +8,7 @@ SmolLM2 checks the same paths end to end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from infra.schema import Task
 from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel, MexpRejected
 from simulator.replay_buffer import EdgeBuffer, Transition
+from simulator.reply_memo import ReplyMemo
 from simulator.synthetic_env import SyntheticEnv
 
 GOAL = "Goal: put the apple in the fridge"
@@ -297,3 +299,29 @@ async def test_replay_real_answers_only_the_same_tasks_exact_real_step(tokenizer
         out = await ExperienceModel(client, buffer, cfg, tokenizer).step(task, [], START, action, "e")
         assert not out.replayed
     assert len(client.prompts) == 3
+
+
+@pytest.mark.slow
+async def test_a_shared_reply_memo_generates_a_greedy_step_once_and_a_sampled_one_each_time(tokenizer):
+    class Slow(ScriptedClient):  # the group's rollouts ask while the first request is still generating
+        async def generate(self, prompt=None, **kw):
+            await asyncio.sleep(0.01)
+            return await super().generate(prompt, **kw)
+
+    greedy = SimulatorConfig(retrieval=False, temperature=0.0, parse_retries=1)
+    client, memo = Slow([GOOD] * 4 + ["junk"]), ReplyMemo(greedy.reply_memo)
+    group = [ExperienceModel(client, None, greedy, tokenizer, memo) for _ in range(4)]
+    outs = await asyncio.gather(*(m.step(TASK, [], START, "open fridge", f"e{i}") for i, m in enumerate(group)))
+    assert len(client.prompts) == 1 and {o.next_state for o in outs} == {f"{GOAL}\n{OPENED}"}
+    await group[0].step(TASK, [], START, "open fridge", "e9")  # a later group: still the kept reply
+    assert len(client.prompts) == 1 and memo.hits == 4
+    await group[0].step(TASK, [], START, "go east", "e0")  # another action: another request
+    assert len(client.prompts) == 2
+    sampled = ExperienceModel(client, None, dataclasses.replace(greedy, temperature=0.7), tokenizer, memo)
+    for _ in range(2):
+        await sampled.step(TASK, [], START, "open fridge", "e0")
+    assert len(client.prompts) == 4
+    bad = ExperienceModel(client, None, greedy, tokenizer, memo)  # a greedy retry reproduces the reply: not asked again
+    with pytest.raises(MexpRejected):
+        await bad.step(TASK, [], START, "look", "e0")
+    assert len(client.prompts) == 5 and bad.attempts == 2

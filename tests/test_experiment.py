@@ -221,7 +221,7 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
     cfg = load_config(None, [f"infra.run_dir={tmp_path / 'runs'}", f"infra.data_dir={tmp_path / 'data'}",
                              f"infra.redis_url={redis_url}", "infra.train_budget_s=60", *tiny(tiny_dir),
                              "learner.total_updates=1", "learner.s2r_real_transitions=7", "learner.s2r_max_updates=3",
-                             "simulator.write_back=false"])
+                             "simulator.write_back=false", "simulator.temperature=0"])
     # the random Mexp's output is rejected, so the DreamGym phase cannot reach its update: it ends at its
     # first pushed group instead of running out its 60 s guard (tests/phase_guard.py)
     ended = first_group_ends(monkeypatch, cfg, "s2r")
@@ -236,6 +236,9 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
     assert real["real_transitions"] == 7 and real["transition_budget_spent"]  # exactly the budget
     assert summary["transitions"]["online_real"] == 7 and summary["phases"][0]["real_transitions"] == 0
     assert summary["transitions"]["offline_real"] > 0
+    # greedy Mexp: the rejected replies' retries (and the group's repeats) come from the reply memo
+    assert summary["phases"][0]["mexp_steps"]["memo_hits"] > 0 and "mexp_steps" not in real
+    assert "requests from its reply memo" in (tmp_path / "runs" / "s2r" / "report.md").read_text()
     # the synthetic phase alone was evaluated on the held-out games before the real phase began, and the
     # experiment's row pairs it with the final evaluation (what the real phase added)
     between = summary["phases"][0]["heldout_after"]

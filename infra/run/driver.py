@@ -49,6 +49,7 @@ from rich.console import Console
 
 from actors.evaluate import choice_policy_chooser, evaluate
 from actors.policy import ChoicePolicy
+from infra import metrics
 from infra.budget import StepBudget, run_counts
 from infra.config import Config, add_config_arguments, config_from_args, rl_seed, settings_key
 from infra.run import artifacts, report
@@ -202,7 +203,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
                 "synthetic_transitions": 0, "trajectories_pushed": 0, "trajectories_set_aside": {},
                 "trajectories_waiting": 0, "transition_budget_spent": real is not None and await real.spent(),
                 "seconds": 0.0, "earlier_segment": True}
-    counts0, aside0 = await run_counts(svc.client, svc.prefix), learner.set_aside
+    counts0, aside0, mexp0 = await run_counts(svc.client, svc.prefix), learner.set_aside, metrics.mexp_steps()
     curriculum.real_only = real is not None
     learner.env_kind = cfg.actors.env_kind  # sim-to-real: the DreamGym phase's leftovers are set aside, not trained
     stop = budget(cfg.infra.train_budget_s)
@@ -234,6 +235,9 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
             "trajectories_set_aside": {k: n - aside0.get(k, 0) for k, n in learner.set_aside.items()
                                        if n > aside0.get(k, 0)},
             "trajectories_waiting": learner.waiting,
+            # how Mexp answered this process's synthetic steps (a Ray fleet's actors count their own)
+            **({"mexp_steps": {k: int(v - mexp0[k]) for k, v in metrics.mexp_steps().items()}}
+               if cfg.actors.env_kind == "synthetic" and cfg.actors.runtime != "ray" else {}),
             "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1)}
 
 

@@ -58,6 +58,7 @@ from learner.learner import Learner, stream_learner
 from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel
 from simulator.replay_buffer import make_buffer, seed_buffer
+from simulator.reply_memo import ReplyMemo
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,9 @@ class Services:
                 self._monitor_fleet()
             spawn = self._monitored(functools.partial(self.fleet.spawn, cfg=cfg))
         else:
-            envs = make_env_factory(cfg, lambda: ExperienceModel(self.mexp, self.buffer, cfg.simulator, self.tokenizer))
+            memo = ReplyMemo(cfg.simulator.reply_memo)  # one for the pool's experience models
+            envs = make_env_factory(cfg, lambda: ExperienceModel(self.mexp, self.buffer, cfg.simulator, self.tokenizer,
+                                                                 memo))
             spawn = local_spawner(cfg, self.client, self.prefix, self.policy, self.tokenizer, envs, self.buffer)
         pool = WorkerPool(spawn, on_stop=functools.partial(self.monitoring.remove, "rollout_worker"))
         autoscale = autoscaler(cfg, self.client, self.prefix) if cfg.actors.autoscale else None

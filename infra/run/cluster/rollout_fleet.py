@@ -38,6 +38,7 @@ from infra.run.cluster.worker_actor import RayWorkerHandle
 from infra.run.workers import make_env_factory, make_policy, write_back_sink
 from simulator.experience_model import ExperienceModel
 from simulator.replay_buffer import make_buffer
+from simulator.reply_memo import ReplyMemo
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class ActorRecipe:
     policy_urls: list[str]
     buffer_actor: Any = None  # a BufferActor handle; None: a Qdrant server, opened here
     _envs: Any = field(default=None, repr=False)
+    _memo: ReplyMemo | None = field(default=None, repr=False)
 
     def policy(self) -> Any:
         client = EngineClient.from_config(self.cfg.engines, self.policy_urls, role="policy")
@@ -91,7 +93,10 @@ class ActorRecipe:
 
     def _experience_model(self) -> ExperienceModel:
         client = EngineClient.from_config(self.cfg.engines, self.mexp_urls, role="mexp")
-        return ExperienceModel(client, self.buffer(), self.cfg.simulator, load_tokenizer(self.cfg.engines.model))
+        if self._memo is None:  # one for the actor's experience models
+            self._memo = ReplyMemo(self.cfg.simulator.reply_memo)
+        return ExperienceModel(client, self.buffer(), self.cfg.simulator, load_tokenizer(self.cfg.engines.model),
+                               self._memo)
 
     def env(self) -> Any:
         if self._envs is None:
