@@ -325,6 +325,8 @@ class EvaluationConfig:
     temperature: float = _f(0.0, "Policy sampling temperature over the candidate labels during evaluation (0 = greedy).", NON_NEGATIVE)
     max_steps: int = _f(0, "Most steps of an evaluation episode (0 = data.max_steps).", NON_NEGATIVE)
     concurrency: int = _f(4, "Evaluation episodes run at once (so the policy engine sees batches).", POSITIVE)
+    engine_threads: int = _f(-1, "Torch threads of the embedded CPU policy engine while `dreamgym train` evaluates (the policy engine computes alone then; engines.threads is sized for engines sharing the cores): -1 = every core the process may use, 0 = engines.threads, N = N.",
+                             (lambda v: isinstance(v, int) and v >= -1, "an integer >= -1"))
     before: bool = _f(True, "Evaluate the starting policy before training (off: only after; the experiment runner evaluates the start once, as its own regime).")
 
 

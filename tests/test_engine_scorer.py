@@ -226,3 +226,46 @@ def test_the_tree_needs_no_cache_so_it_trains_under_gradient_checkpointing(tiny_
         got.append((lp.detach(), model.model.embed_tokens.weight.grad.clone()))
     assert model.is_gradient_checkpointing
     assert torch.allclose(got[0][0], got[1][0], atol=1e-6) and torch.allclose(got[0][1], got[1][1], atol=1e-6)
+
+
+def test_set_threads_changes_the_torch_threads_of_the_decode_and_scoring_threads(tiny):
+    """Torch keeps the intra-op thread count per thread: the engine's own threads apply `set_threads`
+    (an evaluation computing alone on every core, then back to the count shared with other engines)."""
+    from infra.engine.request import GenRequest, SamplingParams
+
+    model, tok = tiny
+    b = Batcher(model, tok, threads=1)
+    b.start()
+    try:
+        for threads in (2, 1):
+            b.set_threads(threads)
+            b.submit_score([[1, 2, 3, 4]], 2).result(timeout=60)
+            b.submit(GenRequest([1, 2, 3], SamplingParams(max_new_tokens=2, temperature=0.0))).result(timeout=60)
+            assert (b.scorer.threads_in_force, b.threads_in_force) == (threads, threads)
+    finally:
+        b.stop()
+
+
+def test_an_evaluation_runs_the_policy_engine_on_every_core_then_gives_them_back(tiny, tmp_path):
+    """Services.engine_threads, around `dreamgym train`'s held-out evaluations (evaluation.engine_threads)."""
+    import os
+    from types import SimpleNamespace
+
+    from infra.run.services import Services
+
+    model, tok = tiny
+    svc = Services(load_config(None, [f"infra.run_dir={tmp_path}"]), "threads")
+    b = Batcher(model, tok, threads=1)
+    svc.embedded["policy"] = SimpleNamespace(batcher=b)
+    b.start()
+    try:
+        for threads, during in ((-1, len(os.sched_getaffinity(0))), (0, 1), (3, 3)):
+            with svc.engine_threads("policy", threads):
+                b.submit_score([[1, 2, 3, 4]], 2).result(timeout=60)
+                assert b.scorer.threads_in_force == during
+            b.submit_score([[1, 2, 3, 4]], 2).result(timeout=60)
+            assert b.scorer.threads_in_force == 1
+        with svc.engine_threads("mexp", -1):  # no such engine here: nothing to change
+            pass
+    finally:
+        b.stop()

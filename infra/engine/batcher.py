@@ -61,7 +61,7 @@ from infra.engine.prefix_cache import PrefixCache, common_prefix_length
 from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFull, RequestError, RequestFailed,
                                   SamplingParams)
 from infra.engine.sampling import sample_tokens
-from infra.engine.scorer import Scorer, batch_budget
+from infra.engine.scorer import Scorer, batch_budget, use_threads
 from infra.engine.speculation import NgramIndex, accepted
 from infra.metrics import EngineServerMetrics
 
@@ -81,8 +81,11 @@ class Batcher:
     def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0,
                  max_prefill_tokens: int = 4096, prefix_cache_mb: float = 0.0, max_queue: int = 1024,
                  metrics: EngineServerMetrics | None = None, score_batch_tokens: int = -1,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, threads: int = 0):
         self.model = model
+        # Torch threads of the decode and scoring threads (0: as the starting thread had them); set_threads.
+        self.threads = threads
+        self.threads_in_force = 0  # as the decode thread's last round found them
         # Prompt-lookup drafts verified per greedy row and step (infra/engine/speculation.py); 0 = off.
         self.speculative_tokens = speculative_tokens
         # This engine's own registry: an engine exports its queue, never another's (infra/metrics.py).
@@ -115,12 +118,18 @@ class Batcher:
         self.cached_tokens_total = 0
         # Scoring requests, beside the loop: padded batches on a GPU, token trees on a CPU (infra/engine/scorer.py).
         self.scorer = Scorer(self._serving, batch_budget(score_batch_tokens, self.device), tree=self.device.type == "cpu")
+        self.scorer.threads = threads
 
     # --- public, any thread ---
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="engine-batcher", daemon=True)
         self._thread.start()
         self.scorer.start()
+
+    def set_threads(self, threads: int) -> None:
+        """Torch intra-op threads of this engine's decode and scoring threads from their next round on
+        (a CPU engine: more while it computes alone, as during an evaluation; fewer beside other engines)."""
+        self.threads = self.scorer.threads = threads
 
     def stop(self) -> None:
         with self._cv:
@@ -223,6 +232,7 @@ class Batcher:
                     self._do_swap()
                     continue
                 admit = self._admit() if self._swap is None else []
+            self.threads_in_force = use_threads(self.threads)
             try:
                 self._drop_cancelled()
                 admit = [r for r in admit if not _finish_if_cancelled(r)]

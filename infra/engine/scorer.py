@@ -46,6 +46,15 @@ GPU_BATCH_TOKENS = 65536  # the budget `engines.score_batch_tokens: -1` gives a 
 CPU_TREE_TOKENS = 8192  # and a CPU engine (prompt tokens of one token tree: its mask is [L, L])
 
 
+def use_threads(threads: int) -> int:
+    """This thread's torch intra-op threads made `threads` (0: leave them); returns the count in force. Torch
+    and OpenMP keep the count per thread, so an engine thread applies its own at the top of each round
+    (cheap when it is unchanged)."""
+    if threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def batch_budget(setting: int, device: torch.device) -> int:
     """`engines.score_batch_tokens` resolved for an engine on `device`: -1 is the device's own budget."""
     if setting >= 0:
@@ -83,6 +92,8 @@ class Scorer:
         self._cv = threading.Condition()
         self._stopping = False
         self._threads: list[threading.Thread] = []
+        self.threads = 0  # torch threads of each scoring thread (0: as started); Batcher.set_threads
+        self.threads_in_force = 0  # as the last scoring round found them
         self.batches = 0  # forward pairs run (a request costs one when it runs alone)
         self.jobs = 0
 
@@ -122,6 +133,7 @@ class Scorer:
                     jobs, self._pending = self._pending, []
                 else:
                     jobs = [self._pending.pop(0)]
+            self.threads_in_force = use_threads(self.threads)
             try:
                 for chunk in self._chunks(jobs):
                     self._run(chunk)

@@ -331,9 +331,10 @@ async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, cons
                                                  max_chat_chars=cfg.actors.chat_max_chars,
                                                  action_mode=cfg.actors.action_mode))
     t0 = time.perf_counter()
-    result = await evaluate(chooser, tasks, cfg.actors.env_family, max_steps=ev.max_steps or cfg.data.max_steps,
-                            episodes_per_task=ev.episodes, concurrency=min(ev.concurrency, max(1, len(tasks))),
-                            policy_name=label)
+    with svc.engine_threads("policy", ev.engine_threads):
+        result = await evaluate(chooser, tasks, cfg.actors.env_family, max_steps=ev.max_steps or cfg.data.max_steps,
+                                episodes_per_task=ev.episodes, concurrency=min(ev.concurrency, max(1, len(tasks))),
+                                policy_name=label)
     d = result.to_dict()
     artifacts.say(console, f"held-out real {cfg.actors.env_family} ({label}): success {d['success_rate']:.3f} "
                            f"on {d['episodes']} episodes ({time.perf_counter() - t0:.0f} s)")

@@ -35,14 +35,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import ray
 
 from infra.config import Config, dump, rl_seed
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
-from infra.engine.server import default_weights_roots, start_embedded_engine
+from infra.engine.server import EngineHandle, default_weights_roots, start_embedded_engine
 from infra.engine.sglang import SGLangLauncher
 from infra.redis_server import EmbeddedRedis, write_job_record
 from infra.run.artifacts import embedding_cache, say
@@ -76,6 +76,7 @@ class Services:
         self.mexp: EngineClient | None = None
         self.policy: EngineClient | None = None
         self.tokenizer: Any = None
+        self.embedded: dict[str, EngineHandle] = {}  # the engines started in this process, by role
         self.fleet: RolloutFleet | None = None
         self.ray: dict[str, float] | None = None  # the cluster's resources, once this run joined Ray
         self.placement = Placements()
@@ -164,6 +165,7 @@ class Services:
                 return [url]
             handle = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype,
                                                  device=e.device, engine_cfg=e, weights_roots=roots)
+            self.embedded[role] = handle
             self._stack.push_async_callback(handle.stop)
             self.monitoring.add_url("engine", role, handle.url)  # its own registry, on its own port
             self._stack.callback(self.monitoring.remove, "engine", role)
@@ -175,6 +177,22 @@ class Services:
         self.policy = EngineClient.from_config(e, await endpoints(e.policy_endpoints, policy_model, "policy"), role="policy")
         self._stack.push_async_callback(self.policy.close)
         self.tokenizer = load_tokenizer(e.model)
+
+    @contextlib.contextmanager
+    def engine_threads(self, role: str, threads: int) -> Iterator[None]:
+        """The block runs `role`'s embedded CPU engine on `threads` torch threads (-1: every core this process
+        may use; 0: leave it), then on engines.threads again: a held-out evaluation, where the policy engine
+        computes alone, uses the cores the run's engines otherwise share. No-op for any other engine."""
+        handle = self.embedded.get(role)
+        if handle is None or threads == 0 or handle.batcher.device.type != "cpu":
+            yield
+            return
+        before = handle.batcher.threads
+        handle.batcher.set_threads(threads if threads > 0 else len(os.sched_getaffinity(0)))
+        try:
+            yield
+        finally:
+            handle.batcher.set_threads(before)
 
     async def _launch_sglang(self, role: str, model: str) -> str:
         """SGLang's launch_server for `role` on port engines.sglang_port (+1 for the policy), healthy before
