@@ -238,7 +238,7 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
     assert summary["transitions"]["offline_real"] > 0
     # greedy Mexp: the rejected replies' retries (and the group's repeats) come from the reply memo
     assert summary["phases"][0]["mexp_steps"]["memo_hits"] > 0 and "mexp_steps" not in real
-    assert "requests from its reply memo" in (tmp_path / "runs" / "s2r" / "report.md").read_text()
+    assert "the reply memo answered" in (tmp_path / "runs" / "s2r" / "report.md").read_text()
     # the synthetic phase alone was evaluated on the held-out games before the real phase began, and the
     # experiment's row pairs it with the final evaluation (what the real phase added)
     between = summary["phases"][0]["heldout_after"]

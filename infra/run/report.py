@@ -225,8 +225,8 @@ def markdown(s: dict, images: list[str]) -> str:
         lines += ["| phase | updates | seconds | trajectories pushed | set aside by the learner | held for an update |",
                   "|---|---|---|---|---|---|",
                   *(phase_row(p) for p in s["phases"]), ""]
-        lines += [f"{p['phase']}: Mexp generated {m['generated']} steps, replayed {m['replayed']} real ones, "
-                  f"and answered {m['memo_hits']} requests from its reply memo" for p in s["phases"]
+        lines += [f"{p['phase']}: Mexp answered {m['simulated']} steps and {m['replayed']} were replayed real ones; "
+                  f"the reply memo answered {m['memo_hits']} of Mexp's requests" for p in s["phases"]
                   if (m := p.get("mexp_steps"))] + [""] * any("mexp_steps" in p for p in s["phases"])
     fid = s.get("mexp_fidelity")
     if fid:
