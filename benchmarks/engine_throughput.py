@@ -38,7 +38,11 @@ measured within this run, never across runs):
    greedy, up to 192 new tokens and stopped at `</done>` as Mexp's requests are, served by
    `--mexp` (a Mexp SFT checkpoint; the base model copies far less), with
    `engines.speculative_tokens` 0 against `--speculative` at each concurrency: generated
-   tokens/s, the share of drafts accepted, and whether every reply is the same.
+   tokens/s, the share of drafts accepted, and whether every reply is the same;
+11. Mexp replicas (`replicas`, CPU): the same Mexp workload at the top concurrency on one engine of
+   one thread against `--replicas` engines of one thread each sharing the loaded model
+   (`engines.mexp_replicas`: each decodes on its own core), the client sending each request to the
+   least busy; generated tokens/s and whether every reply is the same.
 
     python benchmarks/engine_throughput.py [--tokens 64] [--compare-url http://127.0.0.1:8000]
 
@@ -76,7 +80,8 @@ PRESETS = {
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=49152, max_position_embeddings=4096),
 }
-SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "scoring", "compare", "speculative")
+SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "scoring", "compare", "speculative",
+            "replicas")
 
 TOPICS = ["a lighthouse", "the moon", "a robot cook", "an old map", "a quiet library", "a mountain village",
           "a lost key", "the ocean", "a clockmaker", "a desert train", "a winter garden", "a paper boat",
@@ -219,8 +224,9 @@ def mexp_prompts(tok, data_dir: str, n: int) -> list[str]:
     return texts[:n]
 
 
-async def mexp_rate(url: str, texts: list[str], concurrency: int) -> tuple[float, list[list[int]]]:
-    """(generated tokens/s, each reply's tokens in order) of Mexp-shaped requests, `concurrency` at once."""
+async def mexp_rate(url: str | list[str], texts: list[str], concurrency: int) -> tuple[float, list[list[int]]]:
+    """(generated tokens/s, each reply's tokens in order) of Mexp-shaped requests, `concurrency` at once
+    (on several engines when `url` lists them: the client sends each request to the least busy)."""
     from infra.engine.client import EngineClient
 
     sp = {"max_new_tokens": 192, "temperature": 0.0, "stop": ["</done>"]}
@@ -232,7 +238,7 @@ async def mexp_rate(url: str, texts: list[str], concurrency: int) -> tuple[float
             i = queue.pop(0)
             replies[i] = (await client.generate(texts[i], sampling_params=sp)).output_ids
 
-    async with EngineClient([url], role="bench", timeout_s=3600) as client:
+    async with EngineClient([url] if isinstance(url, str) else url, role="bench", timeout_s=3600) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         return sum(map(len, replies)) / (time.perf_counter() - t0), replies
@@ -500,6 +506,26 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
                 print(f"  ratio at {c} concurrent, speculative {args.speculative} / off: {got[args.speculative][0] / got[0][0]:5.2f}x; "
                       f"replies identical: {same}")
                 ratios.append(f"speculative {args.speculative} / off @{c} {got[args.speculative][0] / got[0][0]:.2f}x")
+        if "replicas" in sections and cpu:
+            from infra.engine.models import load_model
+
+            mexp = load_model(args.mexp, "float32", args.device) if args.mexp else (model, tok)
+            texts_r = mexp_prompts(tok, args.data_dir, top * args.rounds)
+            got = {}
+            for n in (1, args.replicas):
+                handles = [await start_embedded_engine(loaded=mexp, max_batch_size=top, engine_cfg=EngineConfig(
+                    threads=1)) for _ in range(n)]
+                try:
+                    await mexp_rate([h.url for h in handles], texts_r[:n], n)  # warm-up
+                    got[n] = await mexp_rate([h.url for h in handles], texts_r, top)
+                finally:
+                    for h in handles:
+                        await h.stop()
+                print(f"Mexp workload ({len(texts_r)} replies, {top} concurrent) on {n} engine(s) of 1 thread "
+                      f"sharing the model: {got[n][0]:7.1f} generated tokens/s  {la()}")
+            same = got[1][1] == got[args.replicas][1]
+            print(f"  ratio {args.replicas} engines / 1: {got[args.replicas][0] / got[1][0]:5.2f}x; replies identical: {same}")
+            ratios.append(f"Mexp replicas {args.replicas} / 1 @{top} {got[args.replicas][0] / got[1][0]:.2f}x")
         if "compare" in sections and args.compare_url:
             rate = await openai_rate(args.compare_url, texts[: top * args.rounds], args.tokens, top)
             ours = rows.get(f"engine@{top}") or await engine_at(top)
@@ -569,6 +595,7 @@ if __name__ == "__main__":
     p.add_argument("--compare-url", default="", help="an OpenAI-compatible server to compare with (llama.cpp's)")
     p.add_argument("--mexp", default="", help="speculative: the Mexp checkpoint to serve (default: --model)")
     p.add_argument("--data-dir", default="data/exp-textworld", help="speculative: where the offline TextWorld trajectories are")
+    p.add_argument("--replicas", type=int, default=2, help="replicas: Mexp engines to compare with one")
     p.add_argument("--speculative", type=int, default=4, help="speculative: draft tokens per step to compare with off")
     p.add_argument("--device", default="cpu", help="torch device for the model and the engine (cpu, cuda, cuda:1)")
     p.add_argument("--random-init", default="", metavar="CONFIG_JSON_OR_PRESET",

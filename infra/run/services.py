@@ -41,7 +41,7 @@ import ray
 
 from infra.config import Config, dump, rl_seed
 from infra.engine.client import EngineClient
-from infra.engine.models import load_tokenizer
+from infra.engine.models import load_model, load_tokenizer
 from infra.engine.server import EngineHandle, default_weights_roots, start_embedded_engine
 from infra.engine.sglang import SGLangLauncher
 from infra.redis_server import EmbeddedRedis, write_job_record
@@ -76,7 +76,7 @@ class Services:
         self.mexp: EngineClient | None = None
         self.policy: EngineClient | None = None
         self.tokenizer: Any = None
-        self.embedded: dict[str, EngineHandle] = {}  # the engines started in this process, by role
+        self.embedded: dict[str, list[EngineHandle]] = {}  # the engines started in this process, by role
         self.fleet: RolloutFleet | None = None
         self.ray: dict[str, float] | None = None  # the cluster's resources, once this run joined Ray
         self.placement = Placements()
@@ -163,13 +163,20 @@ class Services:
                 self.monitoring.add_url("engine", role, url)
                 self._stack.callback(self.monitoring.remove, "engine", role)
                 return [url]
-            handle = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype,
-                                                 device=e.device, engine_cfg=e, weights_roots=roots)
-            self.embedded[role] = handle
-            self._stack.push_async_callback(handle.stop)
-            self.monitoring.add_url("engine", role, handle.url)  # its own registry, on its own port
-            self._stack.callback(self.monitoring.remove, "engine", role)
-            return [handle.url]
+            # Mexp replicas share one loaded model: on a CPU each decodes on its own core
+            replicas = e.mexp_replicas if role == "mexp" else 1
+            loaded = await asyncio.to_thread(load_model, model, e.dtype, e.device) if replicas > 1 else None
+            urls = []
+            for i in range(replicas):
+                handle = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                                                     device=e.device, engine_cfg=e, weights_roots=roots, loaded=loaded)
+                self.embedded.setdefault(role, []).append(handle)
+                self._stack.push_async_callback(handle.stop)
+                name = role if i == 0 else f"{role}-{i}"
+                self.monitoring.add_url("engine", name, handle.url)  # its own registry, on its own port
+                self._stack.callback(self.monitoring.remove, "engine", name)
+                urls.append(handle.url)
+            return urls
 
         if mexp_model is not None:  # runs that never step a synthetic environment need no Mexp
             self.mexp = EngineClient.from_config(e, await endpoints(e.mexp_endpoints, mexp_model, "mexp"), role="mexp")
@@ -183,16 +190,18 @@ class Services:
         """The block runs `role`'s embedded CPU engine on `threads` torch threads (-1: every core this process
         may use; 0: leave it), then on engines.threads again: a held-out evaluation, where the policy engine
         computes alone, uses the cores the run's engines otherwise share. No-op for any other engine."""
-        handle = self.embedded.get(role)
-        if handle is None or threads == 0 or handle.batcher.device.type != "cpu":
+        batchers = [h.batcher for h in self.embedded.get(role, []) if h.batcher.device.type == "cpu"]
+        if not batchers or threads == 0:
             yield
             return
-        before = handle.batcher.threads
-        handle.batcher.set_threads(threads if threads > 0 else len(os.sched_getaffinity(0)))
+        before = [b.threads for b in batchers]
+        for b in batchers:
+            b.set_threads(threads if threads > 0 else len(os.sched_getaffinity(0)))
         try:
             yield
         finally:
-            handle.batcher.set_threads(before)
+            for b, n in zip(batchers, before):
+                b.set_threads(n)
 
     async def _launch_sglang(self, role: str, model: str) -> str:
         """SGLang's launch_server for `role` on port engines.sglang_port (+1 for the policy), healthy before
