@@ -122,21 +122,26 @@ def test_every_dashboard_panel_returns_data_from_a_scraped_run(prometheus_server
 
     empty = []
     for concern, title, expr, _unit in panels():
-        result = prometheus.query_range(url, expr, start, end, step=2)
+        result = prometheus.query_range(url, expr, start, end, step=1)
         if not any(s["values"] for s in result):
             empty.append(f"{concern}: {title}: {expr}")
     assert not empty, "panels with no data:\n" + "\n".join(empty)
 
-    # Values that only a working pipeline produces, not just series that exist.
-    def last(expr: str) -> list[dict]:
-        return [s for s in prometheus.query_range(url, expr, start, end, step=2) if s["values"]]
+    # Values that only a working pipeline produces, not just series that exist. Read from the raw samples
+    # (`*_over_time` at the end of the window): on a loaded machine a scrape of the driver's event loop can
+    # time out, which marks the target's series stale at once, so a lone good scrape between two failed
+    # ones can fall between a range query's steps.
+    window = f"[{int(end - start) + 30}s]"
 
-    assert max(float(v) for s in last("learner_weight_version") for _, v in s["values"]) == 2
-    assert max(float(v) for s in last("simulator_fidelity_probes_total") for _, v in s["values"]) >= 1
-    assert {s["metric"]["reason"] for s in last("stream_dead_letters_total")}
-    assert {s["metric"]["env_kind"] for s in last("learner_reward_mean")} == {"real"}
-    assert {s["metric"]["instance_name"] for s in last("engine_queue_depth")} == {"mexp", "policy"}
-    assert {s["metric"]["job"] for s in last("learner_loss")} == {"driver"}  # engines export only their own
+    def raw(fn: str, metric: str) -> list[dict]:
+        return prometheus.query(url, f"{fn}_over_time({metric}{window})", at=end)
+
+    assert max(float(s["value"][1]) for s in raw("max", "learner_weight_version")) == 2
+    assert max(float(s["value"][1]) for s in raw("max", "simulator_fidelity_probes_total")) >= 1
+    assert {s["metric"]["reason"] for s in raw("count", "stream_dead_letters_total")}
+    assert {s["metric"]["env_kind"] for s in raw("count", "learner_reward_mean")} == {"real"}
+    assert {s["metric"]["instance_name"] for s in raw("count", "engine_queue_depth")} == {"mexp", "policy"}
+    assert {s["metric"]["job"] for s in raw("count", "learner_loss")} == {"driver"}  # engines export only their own
 
     # The run's report, redrawn from Prometheus's range queries.
     report = subprocess.run([sys.executable, "-m", "infra.cli", "report", str(runs / name), "--prometheus", url],
