@@ -4,7 +4,7 @@ Owns `dreamgym eval` and `evaluate(policy_fn, tasks, family) -> EvalReport`: suc
 rate with a 95 % Wilson interval, mean steps and invalid-action rate, over episodes
 played by the one episode loop (actors/episode.py, shared with the rollout worker and
 collection; it owns what counts as success). The driver calls `evaluate` for held-out
-real success before and after training; the learner's `ChoicePolicy` plugs in through
+real success before and after training; the learner's `Policy` plugs in through
 `choice_policy_chooser`.
 
 Fixed seeds: TextWorld games are deterministic given the file; a MiniWoB page is
@@ -29,7 +29,7 @@ from actors.confidence import wilson_interval
 from actors.envs.expert import PerTaskChooser
 from actors.envs.registry import load_or_make_splits, make_env, tasks_from_spec
 from actors.episode import Chooser, run_episode
-from actors.policy import MAX_CHOICES, ChoicePolicy
+from actors.policy import MAX_CHOICES, Policy
 from infra.config import add_config_arguments, config_from_args
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
@@ -97,7 +97,7 @@ async def evaluate(policy_fn: Chooser, tasks: Sequence[Task], family: str, max_s
 
 
 def choice_policy_chooser(policy: Any) -> Chooser:
-    """Adapt the learner's ChoicePolicy (`act(task, state, candidates, history, affinity_key)`)."""
+    """Adapt the learner's Policy (`act(task, state, candidates, history, affinity_key)`)."""
 
     async def choose(task: Task, state: str, candidates: Sequence[str], history: Sequence) -> Any:
         # The decision itself (not its text): the episode hands it back as history, which a
@@ -141,10 +141,8 @@ async def _engine_chooser(args: argparse.Namespace, cfg: Any):
         url = args.endpoint
     client = EngineClient([url], role="policy")
     tokenizer = load_tokenizer(model)
-    chooser = choice_policy_chooser(ChoicePolicy(client, tokenizer, temperature=args.temperature, seed=cfg.infra.seed,
-                                                 multi_turn=cfg.actors.multi_turn,
-                                                 max_chat_chars=cfg.actors.chat_max_chars,
-                                                 action_mode=cfg.actors.action_mode))
+    chooser = choice_policy_chooser(Policy.from_config(cfg.actors, client, tokenizer, temperature=args.temperature,
+                                                            seed=cfg.infra.seed))
 
     async def cleanup() -> None:
         await client.close()

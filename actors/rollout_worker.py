@@ -70,7 +70,7 @@ BACKPRESSURE_POLL_S = (0.05, 2.0)  # first and longest wait between two looks at
 
 
 class Policy(Protocol):
-    """What the worker needs of actors/policy.py's ChoicePolicy."""
+    """What the worker needs of actors/policy.py's Policy."""
 
     async def act(self, task: Task, state: str, candidates: list[str], history: list, affinity_key: str) -> Any:
         """A decision with .action, .prompt, .action_token_ids, .logprobs, .choice_token_ids, .weight_version."""

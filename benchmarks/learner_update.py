@@ -43,7 +43,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's code
 
 from actors.envs.textworld_env import TextWorldEnv, generate_game, tasks_from_games  # noqa: E402
-from actors.policy import PolicyDecision, choice_logprobs, choice_turn, pack_prompts, packed_forward, score_turn  # noqa: E402
+from actors.policy import PolicyDecision, choice_turn, score_turn  # noqa: E402
+from learner.choice_logprobs import choice_logprobs, pack_prompts, packed_forward
 from infra.config import LearnerConfig  # noqa: E402
 from infra.engine.models import load_model  # noqa: E402
 from infra.schema import Status, Step, Task, Trajectory  # noqa: E402

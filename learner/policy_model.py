@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from actors.policy import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
+from learner.choice_logprobs import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
 from infra.config import LearnerConfig
 from infra.engine.scoring import (TokenTrie, batched_continuation_logprobs, continuation_logprobs, mean_logprobs,
                                   tree_continuation_logprobs)

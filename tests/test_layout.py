@@ -135,3 +135,21 @@ def test_imports_are_found_wherever_they_hide(tmp_path, source, expected):
     p = tmp_path / "m.py"
     p.write_text(source)
     assert imports(p) == expected
+
+
+def test_nothing_under_actors_imports_torch():
+    """The worker side of the policy (prompting, sampling, parsing) runs without torch; the log-prob
+    recomputation lives in learner/ (issue 60's split of the old actors/policy.py)."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {target}" for module, path in modules() if module.startswith("actors")
+             for target, line, _ in imports(path) if target.split(".")[0] in ("torch", "transformers", "peft")]
+    assert not wrong, "actors/ must not import torch:\n" + "\n".join(wrong)
+
+
+def test_the_worker_side_policy_loads_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; import actors.policy, actors.episode, actors.rollout_worker; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -13,7 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 import torch
 
-from actors.policy import build_choice_prompt, choice_logprobs
+from actors.policy import build_choice_prompt
+from learner.choice_logprobs import choice_logprobs
 from infra.config import LearnerConfig
 from infra.schema import EnvKind, Status, Step, Task, Trajectory, decode_as, encode, new_id
 from infra.streams import StreamConsumer, StreamProducer, trajectories_stream

@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.policy import LABELS, PolicyDecision, choice_logprobs, choice_turn, pack_prompts
+from actors.policy import LABELS, PolicyDecision, choice_turn
+from learner.choice_logprobs import choice_logprobs, pack_prompts
 from infra.config import LearnerConfig
 from infra.engine.models import load_tokenizer
 from infra.schema import Status, Step, Task, Trajectory
@@ -197,9 +198,9 @@ def test_packed_update_has_the_gradients_of_the_slow_reference(tiny, aggregate, 
 @pytest.mark.slow
 @pytest.mark.model
 async def test_engine_logprobs_equal_the_packed_recompute(smollm2, tmp_path):
-    """The real engine serving a multi-turn ChoicePolicy: every step's behaviour log-prob equals the
+    """The real engine serving a multi-turn Policy: every step's behaviour log-prob equals the
     learner's packed recompute over the whole trajectory to 1e-4 (also after a LoRA delta is published)."""
-    from actors.policy import ChoicePolicy
+    from actors.policy import Policy
     from infra.engine.client import EngineClient
     from infra.engine.server import start_embedded_engine
     from learner.weights import WeightPublisher
@@ -208,7 +209,7 @@ async def test_engine_logprobs_equal_the_packed_recompute(smollm2, tmp_path):
     engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=8, weights_roots=[str(tmp_path)])
     try:
         async with EngineClient([engine.url], role="policy") as client:
-            policy = ChoicePolicy(client, tok, temperature=1.0, seed=0, multi_turn=True)
+            policy = Policy(client, tok, temperature=1.0, seed=0, multi_turn=True)
 
             async def play(key: str, n: int) -> list:
                 history: list = []

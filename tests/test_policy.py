@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from actors.policy import (LABELS, ChoicePolicy, PolicyError, build_choice_prompt, choice_logprobs,
-                           label_token_ids, renormalise)
+from actors.policy import LABELS, Policy, PolicyError, build_choice_prompt, label_token_ids, renormalise
+from learner.choice_logprobs import choice_logprobs
 from infra.schema import Step, Task
 
 TASK = Task("t1", "take the coin and put it in the box")
@@ -135,7 +135,7 @@ class _NoLogprobEngine:
 
 async def test_engine_without_label_logprobs_is_a_typed_error(tok):
     with pytest.raises(PolicyError):
-        await ChoicePolicy(_NoLogprobEngine(), tok).act(TASK, STATES[0][0], STATES[0][1])
+        await Policy(_NoLogprobEngine(), tok).act(TASK, STATES[0][0], STATES[0][1])
 
 
 @pytest.mark.slow
@@ -150,7 +150,7 @@ async def test_engine_logprob_equals_learner_recompute_and_weights_publish(smoll
     engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=8, weights_roots=[str(tmp_path)])
     try:
         async with EngineClient([engine.url], role="policy") as client:
-            policy = ChoicePolicy(client, tok, temperature=1.0, seed=0)
+            policy = Policy(client, tok, temperature=1.0, seed=0)
             # Concurrent requests: the engine batches (and pads) them.
             decisions = await asyncio.gather(*(policy.act(TASK, s, c, ["look"]) for s, c in STATES * 2))
             for d, (s, c) in zip(decisions, STATES * 2):
@@ -160,7 +160,7 @@ async def test_engine_logprob_equals_learner_recompute_and_weights_publish(smoll
                 with torch.no_grad():
                     mine = choice_logprobs(model, tok, [d.prompt], [d.choice_token_ids], d.action_token_ids)
                 assert d.logprobs[0] == pytest.approx(float(mine[0]), abs=1e-4)
-            greedy = await ChoicePolicy(client, tok, temperature=0.0).act(TASK, *STATES[2])
+            greedy = await Policy(client, tok, temperature=0.0).act(TASK, *STATES[2])
             assert greedy.index == max(range(len(greedy.probs)), key=greedy.probs.__getitem__)
 
             # Train-side model with a non-zero LoRA delta, published as v1: the engine now

@@ -16,7 +16,7 @@ import torch
 
 from actors.episode import record
 from actors.envs.base import StepResult
-from actors.policy import ChoicePolicy, score_turn, split_choices
+from actors.policy import Policy, score_turn, split_choices
 from infra import schema
 from infra.config import ConfigError, load_config
 from infra.engine.models import load_tokenizer
@@ -74,7 +74,7 @@ async def test_engine_score_equals_learner_recompute_through_the_wire(smollm2):
     engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=8)
     try:
         async with EngineClient([engine.url], role="policy") as client:
-            policy = ChoicePolicy(client, tok, temperature=1.0, seed=0, action_mode="score")
+            policy = Policy(client, tok, temperature=1.0, seed=0, action_mode="score")
             decisions = await asyncio.gather(*(policy.act(TASK, s, c, ["look"]) for s, c in STATES * 2))
             steps = []
             for d, (s, c) in zip(decisions, STATES * 2):
@@ -88,7 +88,7 @@ async def test_engine_score_equals_learner_recompute_through_the_wire(smollm2):
                 mine, _ = learner.forward_choice(*choice_args(steps))
             for d, lp in zip(decisions, mine):
                 assert d.logprobs[0] == pytest.approx(float(lp), abs=1e-4)
-            greedy = await ChoicePolicy(client, tok, temperature=0.0, action_mode="score").act(TASK, *STATES[1])
+            greedy = await Policy(client, tok, temperature=0.0, action_mode="score").act(TASK, *STATES[1])
             assert greedy.index == max(range(len(greedy.probs)), key=greedy.probs.__getitem__)
     finally:
         await engine.stop()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from actors.envs.textworld_env import TextWorldEnv
-from actors.policy import ChoicePolicy
+from actors.policy import Policy
 from infra.config import Config, rl_seed
 from infra.run.workers import make_env_factory, make_policy, worker_seed, write_back_sink
 from simulator.synthetic_env import SyntheticEnv
@@ -46,7 +46,7 @@ def test_real_envs_are_the_configured_family_and_never_build_an_experience_model
 def test_policy_seed_is_per_worker_and_write_back_only_for_synthetic_rollouts():
     cfg = Config()
     policy = make_policy(cfg, "client", "tokenizer", "w1")
-    assert isinstance(policy, ChoicePolicy) and policy.temperature == cfg.actors.temperature
+    assert isinstance(policy, Policy) and policy.temperature == cfg.actors.temperature
     assert worker_seed(0, "w1") != worker_seed(0, "w2") and worker_seed(0, "w1") != worker_seed(1, "w1")
     assert make_policy(cfg, "c", "t", "w1").rng.random() == make_policy(cfg, "c", "t", "w1").rng.random()
     # another run seed (a repeat of an experiment regime) samples other actions on the same data

@@ -48,7 +48,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from rich.console import Console
 
 from actors.evaluate import choice_policy_chooser, evaluate
-from actors.policy import ChoicePolicy
+from actors.policy import Policy
 from infra import metrics
 from infra.budget import StepBudget, run_counts
 from infra.config import Config, add_config_arguments, config_from_args, rl_seed, settings_key
@@ -326,10 +326,8 @@ def budget(seconds: float) -> asyncio.Event:
 async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, console: Any = None) -> dict:
     """The served policy on held-out REAL tasks (greedy unless `evaluation.temperature`); the EvalReport as a dict."""
     ev = cfg.evaluation
-    chooser = choice_policy_chooser(ChoicePolicy(svc.policy, svc.tokenizer, temperature=ev.temperature,
-                                                 seed=cfg.infra.seed, multi_turn=cfg.actors.multi_turn,
-                                                 max_chat_chars=cfg.actors.chat_max_chars,
-                                                 action_mode=cfg.actors.action_mode))
+    chooser = choice_policy_chooser(Policy.from_config(cfg.actors, svc.policy, svc.tokenizer, temperature=ev.temperature,
+                                                            seed=cfg.infra.seed))
     t0 = time.perf_counter()
     with svc.engine_threads("policy", ev.engine_threads):
         result = await evaluate(chooser, tasks, cfg.actors.env_family, max_steps=ev.max_steps or cfg.data.max_steps,

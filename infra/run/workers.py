@@ -1,6 +1,6 @@
 """Rollout workers: how one is built, and the elastic pool that runs them.
 
-Owns worker construction, once for both runtimes: `make_policy` (a ChoicePolicy on the
+Owns worker construction, once for both runtimes: `make_policy` (a Policy on the
 policy engines, seeded per worker) and `make_env_factory` (fresh synthetic
 environments over one ExperienceModel per process, or real ones) are called by the
 local path here (`local_spawner`, workers on the driver's event loop) and by each Ray
@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 import redis.asyncio as aioredis
 
 from actors.envs.registry import make_env
-from actors.policy import ChoicePolicy
+from actors.policy import Policy
 from actors.rollout_worker import EnvFactory, RolloutWorker
 from infra import metrics
 from infra.config import Config, rl_seed
@@ -56,11 +56,9 @@ def worker_seed(seed: int, worker_id: str) -> int:
     return zlib.crc32(f"{seed}:{worker_id}".encode())
 
 
-def make_policy(cfg: Config, policy_client: Any, tokenizer: Any, worker_id: str) -> ChoicePolicy:
-    """One worker's policy: labelled choices sampled through the policy engines."""
-    return ChoicePolicy(policy_client, tokenizer, cfg.actors.temperature, seed=worker_seed(rl_seed(cfg.infra), worker_id),
-                        multi_turn=cfg.actors.multi_turn, max_chat_chars=cfg.actors.chat_max_chars,
-                        action_mode=cfg.actors.action_mode)
+def make_policy(cfg: Config, policy_client: Any, tokenizer: Any, worker_id: str) -> Policy:
+    """One worker's policy, in the configured action mode, sampling through the policy engines."""
+    return Policy.from_config(cfg.actors, policy_client, tokenizer, seed=worker_seed(rl_seed(cfg.infra), worker_id))
 
 
 def make_env_factory(cfg: Config, experience_model: Callable[[], Any]) -> EnvFactory:

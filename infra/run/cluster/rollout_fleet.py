@@ -3,7 +3,7 @@
 Owns what each worker actor builds inside its own process, and the one buffer actor
 they share:
 
-- `PolicyFactory`: a ChoicePolicy on the policy engines' URLs;
+- `PolicyFactory`: a Policy on the policy engines' URLs;
 - `EnvFactory`: fresh environments, synthetic (a SyntheticEnv over one ExperienceModel
   per actor, on the Mexp engines' URLs) or real;
 - `ServerBuffer`: with a Qdrant server, each actor opens its own client (and embeds its
