@@ -21,6 +21,17 @@ In the "score" action mode the policy scores every candidate's text by its
 log-likelihood: `choice_token_ids` holds the candidates' token ids end to end,
 `choice_lengths` their lengths, `action_token_ids` the chosen candidate's tokens, and
 `logprobs` and `loss_mask` one value each, for the choice as a whole.
+In the "generate" action mode (schema version 2) the policy writes its reply token by
+token: `action_token_ids` are the exact ids the engine sampled, `logprobs` and
+`loss_mask` one per sampled token, `prompt_token_ids` the ids this turn appended to
+the episode's chat before the reply (the whole prompt when `new_chat`, else the end of
+the previous turn and the new observation: in the sequence, masked out of the loss),
+`reply` the text written and `invalid_reason` why it named no legal action ("" when it
+did). The learner concatenates a chat's prompt and reply ids and never re-tokenises.
+
+Versions: this build writes 2 and reads 1 and 2 (a version-1 message is a version-2 one
+without the generate-mode fields, which take their defaults); any other version is a
+dead letter (`UnknownSchemaVersion`).
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ from typing import Any, Callable, ClassVar
 
 import msgpack
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = frozenset((1, 2))  # 1: before the generate mode's Step fields
 
 # Bounds a decoded message must respect. Generous for DreamGym's shapes (a step is ~2.5 KB,
 # an episode at most a few dozen steps) yet tight enough that one message cannot exhaust a
@@ -130,6 +142,10 @@ class Step:
     choice_token_ids: list = field(default_factory=list)  # label tokens renormalised over (choice mode)
     value: float = 0.0  # PPO value estimate at this state, if the worker computed one
     choice_lengths: list = field(default_factory=list)  # score mode: token count of each candidate in choice_token_ids
+    prompt_token_ids: list = field(default_factory=list)  # generate mode: ids appended to the chat before the reply
+    new_chat: bool = False  # generate mode: prompt_token_ids open a fresh chat (first turn, or past the chat's bound)
+    reply: str = ""  # generate mode: the text the policy wrote (<think>...</think><action>...</action>)
+    invalid_reason: str = ""  # generate mode: why the reply named no legal action ("" = it did)
 
 
 @dataclass
@@ -183,7 +199,7 @@ _NUMBER_TYPES = frozenset((int, float))
 _LIST_NUMBER_TYPES = frozenset((int, float, bool))
 _LIST_INT_TYPES = frozenset((int, bool))
 _MASK_VALUES = frozenset((0, 1))
-_STEP_TEXT = ("state", "action", "next_state", "reasoning", "policy_prompt")
+_STEP_TEXT = ("state", "action", "next_state", "reasoning", "policy_prompt", "reply")
 _TASK_TEXT = ("instruction", "initial_state", "game_file")
 _TASK_IDS = ("task_id", "family", "parent_id")
 _TRAJ_IDS = ("task_id", "group_id", "worker_id", "trajectory_id")
@@ -244,7 +260,9 @@ def _mask(name: str, v: Any) -> int:
 def _explain_step(d: dict) -> None:
     """The field-by-field checks of a step; raises InvalidField naming the first bad one."""
     _text(d, _STEP_TEXT, MAX_TEXT_CHARS)
-    _text(d, ("reasoning_source",), MAX_ID_CHARS)
+    _text(d, ("reasoning_source", "invalid_reason"), MAX_ID_CHARS)
+    _flag("new_chat", d["new_chat"])
+    _ints("prompt_token_ids", d["prompt_token_ids"], 0, MAX_TOKEN_ID)
     _number("reward", d["reward"], -MAX_ABS_REWARD, MAX_ABS_REWARD)
     _number("value", d["value"], -MAX_ABS_REWARD, MAX_ABS_REWARD)
     _flag("done", d["done"])
@@ -293,11 +311,13 @@ def _check_step(d: dict) -> None:
         d["state"], d["action"], d["next_state"], d["reasoning"], d["policy_prompt"], d["reasoning_source"])
     reward, value, ids, lps, mask, choices = (
         d["reward"], d["value"], d["action_token_ids"], d["logprobs"], d["loss_mask"], d["choice_token_ids"])
-    lens = d["choice_lengths"]
+    lens, pids, reply, why = d["choice_lengths"], d["prompt_token_ids"], d["reply"], d["invalid_reason"]
     # score mode: one log-prob and one mask value for the choice; else one per action token
     per = 1 if type(lens) is list and lens else (len(ids) if type(ids) is list else -1)
     if not (type(state) is str and type(action) is str and type(next_state) is str and type(reasoning) is str
-            and type(prompt) is str and type(source) is str
+            and type(prompt) is str and type(source) is str and type(reply) is str and type(why) is str
+            and len(reply) <= MAX_TEXT_CHARS and len(why) <= MAX_ID_CHARS and type(d["new_chat"]) is bool
+            and type(pids) is list and len(pids) <= MAX_TOKENS and _tokens_ok(pids)
             and len(state) <= MAX_TEXT_CHARS and len(action) <= MAX_TEXT_CHARS and len(next_state) <= MAX_TEXT_CHARS
             and len(reasoning) <= MAX_TEXT_CHARS and len(prompt) <= MAX_TEXT_CHARS and len(source) <= MAX_ID_CHARS
             and type(reward) in _NUMBER_TYPES and -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD
@@ -399,8 +419,8 @@ def from_dict(d: Any) -> Task | Step | Trajectory:
     if not isinstance(d, dict):
         raise MalformedMessage(f"expected a map, got {type(d).__name__}")
     version = d.get("v")
-    if version != SCHEMA_VERSION:
-        raise UnknownSchemaVersion(f"schema version {version!r}; this build reads {SCHEMA_VERSION}")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise UnknownSchemaVersion(f"schema version {version!r}; this build reads {sorted(READABLE_VERSIONS)}")
     kind = d.get("type")
     cls = _TYPES.get(kind)  # type: ignore[arg-type]
     if cls is None:

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infra import schema
-from infra.schema import EnvKind, MalformedMessage, Status, Step, Task, Trajectory, UnknownSchemaVersion
+from infra.schema import (EnvKind, InvalidField, MalformedMessage, Status, Step, Task, Trajectory, UnknownSchemaVersion,
+                          decode, encode, to_dict)
 
 
 def _trajectory() -> Trajectory:
@@ -244,3 +245,45 @@ def test_fast_step_check_matches_the_slow_reference(changes):
     except schema.InvalidField:
         fast_ok = False
     assert fast_ok == _reference_step_ok(d), changes
+
+
+def test_version_1_messages_are_still_read_with_the_generate_fields_defaulted():
+    """A trajectory written before the generate mode (schema 1) decodes; its steps get the defaults."""
+    traj = Trajectory(task_id="t", group_id="g", steps=[Step(state="s", action="a", action_token_ids=[5],
+                                                             logprobs=[-0.5], loss_mask=[1], choice_token_ids=[5, 6])])
+    d = to_dict(traj)
+    d["v"] = 1
+    for s in d["steps"]:
+        for name in ("prompt_token_ids", "new_chat", "reply", "invalid_reason"):
+            del s[name]
+    back = decode(msgpack.packb(d, use_bin_type=True))
+    assert back.steps[0].prompt_token_ids == [] and back.steps[0].new_chat is False
+    assert back.steps[0].reply == "" and back.steps[0].invalid_reason == ""
+    assert back.steps[0].logprobs == [-0.5]
+
+
+def test_a_generate_mode_step_round_trips_and_its_fields_are_checked():
+    step = Step(state="s", action="go north", action_token_ids=[10, 11, 2], logprobs=[-0.1, -0.2, -0.01],
+                loss_mask=[1, 1, 1], prompt_token_ids=[1, 2, 3, 4], new_chat=True,
+                reply="<think>x</think><action>go north</action>", invalid_reason="")
+    back = decode(encode(Trajectory(task_id="t", group_id="g", steps=[step])))
+    assert back.steps[0] == step
+    for field_name, bad in (("prompt_token_ids", [-1]), ("prompt_token_ids", ["x"]), ("new_chat", 1),
+                            ("reply", 5), ("invalid_reason", "x" * 300)):
+        d = to_dict(Trajectory(task_id="t", group_id="g", steps=[step]))
+        d["steps"][0][field_name] = bad
+        with pytest.raises(InvalidField, match=field_name):
+            decode(msgpack.packb(d, use_bin_type=True))
+    # one log-prob per sampled token, as in label mode
+    d = to_dict(Trajectory(task_id="t", group_id="g", steps=[step]))
+    d["steps"][0]["logprobs"] = [-0.1]
+    with pytest.raises(InvalidField, match="logprobs"):
+        decode(msgpack.packb(d, use_bin_type=True))
+
+
+@pytest.mark.parametrize("version", [0, 3, True, "2", None, [2]])
+def test_other_versions_are_refused_by_version(version):
+    d = to_dict(Task("t", "x"))
+    d["v"] = version
+    with pytest.raises(UnknownSchemaVersion):
+        decode(msgpack.packb(d, use_bin_type=True))
