@@ -239,7 +239,11 @@ class ActorsConfig:
     env_family: str = _f("textworld", "Real environment family: 'textworld', 'miniwob', 'alfworld' or 'browsergym'.", _one_of("textworld", "miniwob", "alfworld", "browsergym"))
     temperature: float = _f(1.0, "Policy sampling temperature.", NON_NEGATIVE)
     multi_turn: bool = _f(True, "Policy prompts: an episode is one multi-turn chat (each turn the new state and options, the chosen letter as the answer), so the engine's prefix cache serves the history and the learner runs ONE packed forward per trajectory; false = a fresh prompt per step with the last 3 actions (one learner row per step).")
-    action_mode: str = _f("label", "How the policy picks among the candidate actions: 'label' (they are listed under letters; one forward, the letter's log-prob) or 'score' (the log-likelihood of each candidate's text after the prompt, length-normalised, softmaxed over candidates; per-step prompts only, so multi_turn must be false). Score mode learns from far fewer examples (actors/policy.py).", _one_of("label", "score"))
+    action_mode: str = _f("label", "How the policy picks among the candidate actions: 'label' (they are listed under letters; one forward, the letter's log-prob) or 'score' (the log-likelihood of each candidate's text after the prompt, length-normalised, softmaxed over candidates; per-step prompts only, so multi_turn must be false) or 'generate' (the paper's agent: it writes <think>...</think><action>...</action> token by token, the action text is matched to the candidates, and the learner trains every token it wrote; one chat per episode, so multi_turn must be true). Score mode learns from far fewer examples (actors/policy.py).", _one_of("label", "score", "generate"))
+    max_reply_tokens: int = _f(64, "generate mode: the most tokens one reply may have; a reply cut off there is an invalid step ('truncated').", POSITIVE)
+    think: bool = _f(True, "generate mode: the prompt asks for <think>reasoning</think> before the <action>; false = the action alone (fewer tokens, a preset without thinking).")
+    format_penalty: float = _f(0.0, "generate mode: reward subtracted from a step whose reply names no legal action (cut off, no <action>, not a candidate); the step leaves the environment unchanged either way.", NON_NEGATIVE)
+    free_text_actions: bool = _f(False, "generate mode: an action that matches no candidate goes to the environment as written when the environment takes free text (TextWorld's parser, BrowserGym's fill); false = it is an invalid step ('not_admissible').")
     chat_max_chars: int = _f(12_000, "multi_turn: a chat longer than this many characters restarts as a fresh first turn (keeps prompts inside the model's context; the learner packs each part separately).", POSITIVE)
     max_steps: int = _f(8, "Most steps of a real episode.", POSITIVE)
     worker_resources: dict = _f({}, "Ray custom resources each rollout worker asks for, e.g. {rollout_cpu: 1}.", RESOURCES)
@@ -475,6 +479,8 @@ def from_dict(raw: dict | None) -> Config:
     cfg = Config(**{name: _build(name, cls, raw.get(name) or {}) for name, cls in SECTIONS.items()})
     if cfg.actors.action_mode == "score" and cfg.actors.multi_turn:
         raise ConfigError("actors.action_mode: 'score' uses per-step prompts; set actors.multi_turn=false with it")
+    if cfg.actors.action_mode == "generate" and not cfg.actors.multi_turn:
+        raise ConfigError("actors.action_mode: 'generate' plays an episode as one chat; set actors.multi_turn=true with it")
     return cfg
 
 
