@@ -73,3 +73,21 @@ def test_a_phase_done_in_an_earlier_segment_is_not_reported_as_zero_work():
            "trajectories_set_aside": {"zero_variance": 76, "broken": 8}, "earlier_segment": False}
     assert phase_row(done) == "| DreamGym | done in an earlier segment (counted in the totals above) | – | – | – | – |"
     assert phase_row(ran) == "| sim-to-real: real env | 2 | 308.2 | 92 | broken 8, zero_variance 76 | 0 |"
+
+
+def _eval(successes: list[bool]) -> dict:
+    n = len(successes)
+    return {"success_rate": sum(successes) / n, "per_task": [{"task_id": f"t{i}", "success": s} for i, s in enumerate(successes)]}
+
+
+def test_the_verdict_line_says_whether_a_change_is_outside_the_noise():
+    from infra.run.report import verdict
+
+    same = verdict(_eval([True, False] * 6), _eval([False, True] * 6), 3)
+    assert "0.500 -> 0.500 after 3 updates" in same and "within the noise" in same
+    assert "dreamgym experiment" in same  # it points to where learning is measured
+    gain = verdict(_eval([False] * 40), _eval([True] * 40), 1)
+    assert "+100.0 points" in gain and "outside this run's noise" in gain and "not a learning result" in gain
+    assert "after 1 update:" in gain
+    assert verdict(None, _eval([True]), 0) == ""
+    assert verdict(_eval([True]), {"success_rate": 0.0}, 2).startswith("Held-out success 1.000 -> 0.000 after 2 updates.")

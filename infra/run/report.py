@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from actors.confidence import compare
 from infra.config import Config
 from infra.dashboards import DASHBOARDS, MAIN_PANELS
 from infra.run import prometheus
@@ -123,6 +124,28 @@ def results_table(before: dict | None, after: dict | None, extra: dict, family: 
     return t
 
 
+def verdict(before: dict | None, after: dict | None, updates: int) -> str:
+    """One line under a run's table: what changed on the held-out tasks, and whether that is a learning
+    result (it never is from one short run: the paper's claims are checked by `dreamgym experiment`)."""
+    if not before or not after:
+        return ""
+    b, a = float(before["success_rate"]), float(after["success_rate"])
+    head = f"Held-out success {b:.3f} -> {a:.3f} after {updates} update{'s' if updates != 1 else ''}"
+    if before.get("per_task") and after.get("per_task"):
+        d = compare(after["per_task"], before["per_task"])
+        head += f": {100 * d.diff:+.1f} points, 95 % paired interval [{100 * d.ci_low:+.1f}, {100 * d.ci_high:+.1f}] over {d.tasks} tasks"
+        if d.excludes_zero:
+            why = ("outside this run's noise, yet one short run is a check that the loop works, not a learning "
+                   "result")
+        else:
+            why = "within the noise of this many tasks, so neither a gain nor a loss"
+        head += f". That is {why}."
+    else:
+        head += "."
+    return (head + " Learning is measured against the best SFT, on repeats: "
+            "`dreamgym experiment configs/experiments/textworld_cpu.yaml`.")
+
+
 @contextlib.contextmanager
 def training_progress(console: Any, cfg: Config, learner: Any, history: RunHistory, where: str = "DreamGym",
                       until: int | None = None) -> Iterator[Callable[[Any], None]]:
@@ -159,16 +182,26 @@ def brief(r: dict | None) -> dict | None:
     return None if r is None else {k: r[k] for k in keep if k in r}
 
 
+def training_tasks(tasks: list) -> dict:
+    """What the results table's held-out slices need of the training tasks (infra/run/generalisation.py):
+    their families and the longest expert plan among them (None where a task records no plan length)."""
+    lengths = [t.meta.get("plan_length") for t in tasks]
+    return {"tasks": len(tasks), "families": sorted({t.family for t in tasks}),
+            "plan_length_max": max(lengths) if lengths and None not in lengths else None}
+
+
 def summary(cfg: Config, name: str, before: dict | None, after: dict | None, history: RunHistory, learner: Any,
             phases: list[dict], buffer_size: int, t_start: float, offline: list, fidelity: dict | None,
-            counts: dict[str, int]) -> dict:
+            counts: dict[str, int], train_tasks: list | None = None) -> dict:
     """summary.json: the run's settings that matter, held-out success before and after (with per-task
     results, for paired comparisons), the RL phases, transitions by kind counted exactly, the history.
     `counts` (infra/budget.run_counts), the trajectories trained, the history and its clocks cover every
-    segment of a resumed run (the last two up to the checkpoint it resumed from); `phases` only this one's."""
+    segment of a resumed run (the last two up to the checkpoint it resumed from); `phases` only this one's.
+    `train_tasks`: the split's training tasks, summed up as `training_tasks`."""
     return {
         "run": name, "algo": cfg.learner.algo, "sync": cfg.learner.sync, "env_kind": cfg.actors.env_kind,
         "family": cfg.actors.env_family,
+        **({"training_tasks": training_tasks(train_tasks)} if train_tasks is not None else {}),
         "heldout_before": brief(before), "heldout_after": brief(after),
         "improved": (after["success_rate"] > before["success_rate"]) if before and after else None,
         "updates": learner.updates if learner else 0, "weight_version": learner.version if learner else 0,
@@ -200,6 +233,9 @@ def write_report(run_dir: Path, summary_: dict, history: RunHistory, console: An
         "synthetic transitions": tr.get("synthetic", 0), "train s": f"{summary_['train_seconds']:.0f}",
         "total s": f"{summary_['total_seconds']:.0f}"}, summary_.get("family", "TextWorld"),
         " then ".join(p["phase"] for p in summary_.get("phases", [])) or "after"))
+    line = verdict(summary_["heldout_before"], summary_["heldout_after"], int(summary_.get("updates") or 0))
+    if line:
+        console.print(line)
     console.print(f"run directory: {run_dir}")
     return summary_
 
