@@ -1,6 +1,6 @@
 """The direction of imports, read from the source (every import, function-level ones included).
 
-The layers (README, "How the parts talk"):
+The layers (docs/architecture.md, "How the parts talk"):
 
     infra kernel: infra/*.py           imports none of the layers above
     infra/engine/                      imports the kernel only

@@ -7,7 +7,7 @@ BrowserGym task splits.
 - Tasks are BrowserGym env ids without the `browsergym/` prefix, in `task.game_file`:
   `miniwob.click-button` (needs `browsergym-miniwob`; `MINIWOB_URL` defaults to the
   HTML pages the `miniwob` package ships) or `webarena.310` (needs
-  `browsergym-webarena` and the user's WebArena servers; see the README).
+  `browsergym-webarena` and the user's WebArena servers; see docs/environments.md).
 - Browser: BrowserGym launches Playwright's bundled Chromium twice (the task page and
   a chat window) and takes no executable path for the chat. Playwright's browsers
   are not downloaded here, so BrowserGym is handed a Playwright object whose
@@ -133,7 +133,7 @@ def _register(env_id: str) -> None:
             importlib.import_module(f"browsergym.{family}")
         except ImportError as exc:
             raise ImportError(f"BrowserGym task {env_id!r} needs `pip install browsergym-{family}` "
-                              "and its servers (README: WebArena through BrowserGym)") from exc
+                              "and its servers (docs/environments.md: WebArena through BrowserGym)") from exc
 
 
 # --- the accessibility tree -> items -------------------------------------------------

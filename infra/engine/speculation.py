@@ -12,7 +12,7 @@ token: the output is the greedy output, token for token, whatever the drafts wer
 It pays where a forward costs about the same for 1 and k + 1 tokens a row: a GPU's host-bound
 eager decode step (72-83 ms at any batch from 1 to 256, ../shared/FACTS.md), or a CPU with few
 rows. On a CPU with a full batch the k extra positions cost compute the accepted tokens may not
-repay: `engines.speculative_tokens` is off by default (README, Performance, has the figures).
+repay: `engines.speculative_tokens` is off by default (docs/performance.md has the figures).
 """
 
 from __future__ import annotations
