@@ -2,8 +2,9 @@
 
 Owns the shape of every setting in DreamGym, its default, its one-line help and its
 validation. Each component is handed only its own section (`cfg.learner`, ...), never
-the whole tree. Help text lives once, in the `doc` of each field, and `dreamgym
-config --help` / `describe()` print it.
+the whole tree. Help text lives once, in the `doc` of each field; `dreamgym config
+--describe` and docs/configuration.md print it (infra/config_doc.py). A preset is
+named by a path or by a shipped preset's name (infra/presets.py).
 
 Values are checked at load time against the field's type and its `check` (a small
 predicate with a human description); the error names the dotted key, the bad value
@@ -17,9 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib
 import json
 import math
+import os
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,9 +33,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 
+from infra import presets
+
 
 class ConfigError(ValueError):
     """A config key is unknown or its value is invalid; the message names the key."""
+
+
+class UsageError(ValueError):
+    """A command's arguments do not fit together (`--resume` without `--name`); the CLI exits 2 with its usage."""
 
 
 def _f(default: Any, doc: str, check: tuple[Callable[[Any], bool], str] | None = None, **kw: Any) -> Any:
@@ -55,6 +65,17 @@ RESOURCES = (lambda v: all(isinstance(k, str) and k and isinstance(n, (int, floa
              "a mapping of resource names to finite amounts >= 0")
 
 
+def _narrow_root(v: str) -> bool:
+    """Not '/' and not the home directory or one of its ancestors: such a root lets an engine load from
+    nearly anywhere, which switches the weights path guard off."""
+    if not v:
+        return True
+    real, home = os.path.realpath(os.path.expanduser(v)), os.path.realpath(os.path.expanduser("~"))
+    return real != os.path.sep and os.path.commonpath([real, home]) != real
+
+
+WEIGHTS_ROOT = (_narrow_root, "empty, or a directory other than '/' that is not the home directory or above it")
+
 DEVICE = (lambda v: isinstance(v, str) and (v in ("cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit())),
           "'cpu', 'cuda' or 'cuda:N'")
 
@@ -69,6 +90,43 @@ _SECRET_PARAM = re.compile(r"pass|pwd|secret|token|auth|key", re.IGNORECASE)
 
 def _subset_of(*choices: str) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: isinstance(v, list) and all(x in choices for x in v), "a list of " + ", ".join(repr(c) for c in choices))
+
+
+BUILTIN_FAMILIES = ("textworld", "miniwob", "alfworld", "browsergym")
+ENV_ENTRY_POINTS = "dreamgym.envs"  # the entry-point group of installed environment plug-ins
+
+
+def _env_family_ok(v: str) -> bool:
+    """A built-in family (or one of its task families), `gym:<id>`, an importable `module:Attr`, or an
+    installed `dreamgym.envs` entry point; the import itself is actors/envs/registry.py's (plugin_class)."""
+    f = v.strip()
+    if f.lower() in BUILTIN_FAMILIES or f.lower().startswith(("miniwob/", "browsergym/", "alfworld/", "tw-", "custom")):
+        return True
+    if f.startswith("gym:"):
+        return len(f) > 4
+    if ":" in f:
+        module, _, attr = f.partition(":")
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError:
+            if os.getcwd() in sys.path:
+                return False
+            sys.path.insert(0, os.getcwd())  # a checkout's own package (examples/), as `python -m` finds it
+            try:
+                obj = importlib.import_module(module)
+            except ModuleNotFoundError:
+                return False
+        for part in attr.split("."):
+            obj = getattr(obj, part)  # AttributeError: the check fails
+        return True
+    from importlib.metadata import entry_points
+
+    return any(ep.name == f for ep in entry_points(group=ENV_ENTRY_POINTS))
+
+
+ENV_FAMILY = (_env_family_ok, "one of " + ", ".join(repr(c) for c in BUILTIN_FAMILIES)
+              + ", an importable 'package.module:Class', 'gym:<gymnasium id>' or an installed "
+              + repr(ENV_ENTRY_POINTS) + " entry point")
 
 
 # ALFWorld's six task types (actors/envs/alfworld_problems.TASK_TYPES; a test keeps the two equal).
@@ -167,7 +225,7 @@ class EngineConfig:
     host: str = _f("127.0.0.1", "Interface engines bind (`dreamgym serve`, embedded engine actors, the SGLang launcher): loopback unless other nodes must reach them, e.g. '0.0.0.0'.",
                    (lambda v: isinstance(v, str) and bool(v), "a host name or IP address"))
     api_key: str = _f("", "Bearer token engines require and clients send (SGLang's --api-key); empty: none. Never logged.")
-    weights_root: str = _f("", "Directory /update_weights_from_disk may load from (and below); empty: infra.run_dir, infra.weights_dir and the served model's directory.")
+    weights_root: str = _f("", "Directory /update_weights_from_disk may load from (and below); empty: infra.run_dir, infra.weights_dir and the served model's directory. Never '/' or the home directory or above (the path guard would guard nothing).", WEIGHTS_ROOT)
     prefix_cache_mb: float = _f(256.0, "Embedded engine: MB of prompt-prefix KV kept between requests (radix tree, LRU); 0 = off.", NON_NEGATIVE)
     threads: int = _f(1, "Embedded CPU engine: torch intra-op threads of its decode and scoring threads (each applies its own; `dreamgym train` gives the policy engine every core while it evaluates, evaluation.engine_threads); 0 = all the process's cores. 1: with 2 per process, engines contending for 2 cores fell to a tenth of their speed (benchmarks/engine_throughput.py --sections threads).", NON_NEGATIVE)
     mexp_replicas: int = _f(1, "Embedded Mexp engines `dreamgym train` starts, sharing one loaded model, each with its own decode thread (engines.threads torch threads), the client spreading episodes over them: on a CPU, where one engine decodes on one core, a second decodes on the other core: 1.28x Mexp tokens/s alone (benchmarks/engine_throughput.py --sections replicas), but 0.88x the speed of a 2-core RL phase, where it takes the learner's core (docs/experiments.md footnote 33). Not for configured endpoints or SGLang.", POSITIVE)
@@ -236,7 +294,7 @@ class ActorsConfig:
     group_size: int = _f(4, "Rollouts per task in one GRPO group (G).", POSITIVE)
     concurrent_episodes: int = _f(4, "Episodes one worker runs at once, so the engines see batches.", POSITIVE)
     env_kind: str = _f("synthetic", "Where rollouts run: 'synthetic' (DreamGym) or 'real' (baseline RL and S2R).", _one_of("synthetic", "real"))
-    env_family: str = _f("textworld", "Real environment family: 'textworld', 'miniwob', 'alfworld' or 'browsergym'.", _one_of("textworld", "miniwob", "alfworld", "browsergym"))
+    env_family: str = _f("textworld", "Real environment family: 'textworld', 'miniwob', 'alfworld' or 'browsergym'; or your own: an import path 'package.module:Class', a name in the 'dreamgym.envs' entry points, or 'gym:<gymnasium id>' (a text gymnasium environment); actors/envs/registry.py says what the class provides.", ENV_FAMILY)
     temperature: float = _f(1.0, "Policy sampling temperature.", NON_NEGATIVE)
     multi_turn: bool = _f(True, "Policy prompts: an episode is one multi-turn chat (each turn the new state and options, the chosen letter as the answer), so the engine's prefix cache serves the history and the learner runs ONE packed forward per trajectory; false = a fresh prompt per step with the last 3 actions (one learner row per step).")
     action_mode: str = _f("label", "How the policy picks among the candidate actions: 'label' (they are listed under letters; one forward, the letter's log-prob) or 'score' (the log-likelihood of each candidate's text after the prompt, length-normalised, softmaxed over candidates; per-step prompts only, so multi_turn must be false) or 'generate' (the paper's agent: it writes <think>...</think><action>...</action> token by token, the action text is matched to the candidates, and the learner trains every token it wrote; one chat per episode, so multi_turn must be true). Score mode learns from far fewer examples (actors/policy.py).", _one_of("label", "score", "generate"))
@@ -299,6 +357,8 @@ class LearnerConfig:
     publish_dtype: str = _f("auto", "Precision of published weights (safetensors): 'auto' = the engines' engines.dtype (bfloat16 on a GPU cluster: half the bytes to write and load, and nothing an engine serving bf16 would keep), or 'float32', 'bfloat16', 'float16'. Checkpoints stay fp32 either way.", _one_of("auto", "float32", "bfloat16", "float16"))
     s2r_real_transitions: int = _f(0, "Sim-to-real: after training in DreamGym, continue the same learner in the real environment for exactly this many real transitions (0 = no real phase).", NON_NEGATIVE)
     s2r_max_updates: int = _f(0, "Sim-to-real: most updates of the real phase (0 = until its transition budget is spent).", NON_NEGATIVE)
+    s2r_temperature: float = _f(0.0, "Sim-to-real: the policy's sampling temperature in the real phase's rollouts (0 = actors.temperature). Above 1 a near-solved task fails now and then, so its group has reward variance; the behaviour log-prob is the tempered one, so the learner's ratio against it starts away from 1 and the clip (learner.clip_eps) bounds the step: an off-policy correction, not measured yet on the CPU table.", NON_NEGATIVE)
+    s2r_selection: str = _f("split", "Sim-to-real: which seed tasks the real phase plays. 'split': ranked by where the policy still splits (the newest group with reward variance first, then any recent one, then tasks both solved and failed once, then unplayed ones; mean reward nearest 0.5 first; each once per pass: simulator/s2r_selection.py), so its few real groups are not set aside as zero-variance (collection 32: all 40 real trajectories were); 'curriculum': the curriculum's own sampling, as in the DreamGym phase. With curriculum.enabled=false the phase samples uniformly either way.", _one_of("split", "curriculum"))
 
 
 @dataclass
@@ -360,6 +420,8 @@ class DataConfig:
     browsergym_heldout: list = _f(["miniwob.click-link"], "BrowserGym held-out tasks.")
     browsergym_seeds: int = _f(2, "Page seeds per BrowserGym task (train seeds and held-out seeds are disjoint).", POSITIVE)
     alfworld_heldout_task_types: list = _f([], "ALFWorld task types that appear only in the held-out split, e.g. [pick_two_obj_and_place].", _subset_of(*ALFWORLD_TASK_TYPES))
+    env_tasks: int = _f(16, "Your own environment (actors.env_family=module:Class): train tasks asked of its tasks('train', n, seed).", POSITIVE)
+    env_heldout: int = _f(4, "Your own environment: held-out tasks asked of its tasks('heldout', n, seed).", NON_NEGATIVE)
 
 
 @dataclass
@@ -488,11 +550,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Load a YAML preset (or the defaults), apply `section.key=value` overrides, validate."""
     raw: dict = {}
     if path:
-        p = Path(path)
+        p = presets.resolve(path)
         if p.is_dir() and (p / "config.yaml").is_file():  # a run directory: the config it ran with
             p = p / "config.yaml"
         if not p.exists():
-            raise ConfigError(f"config file {p} does not exist")
+            raise ConfigError(f"config file {p} does not exist (nor a shipped preset: {', '.join(presets.names())})")
         if p.is_dir():
             raise ConfigError(f"{p} is a directory, neither a YAML file nor a run directory (no config.yaml)")
         try:
@@ -510,17 +572,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raw[section] = {}
         raw[section][key] = value
     return from_dict(raw)
-
-
-def describe() -> str:
-    """Every setting with its default and help, for --help epilogs and docs."""
-    lines = []
-    for name, cls in SECTIONS.items():
-        lines.append(f"{name}: {cls.__doc__.strip().splitlines()[0]}")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            lines.append(f"  {name}.{f.name} = {default!r}\n      {f.metadata.get('doc', '')}")
-    return "\n".join(lines)
 
 
 def dump(cfg: Config) -> str:
@@ -543,7 +594,8 @@ def add_config_arguments(p: argparse.ArgumentParser, default: str | None = None)
     """The shared `[config] [section.key=value ...]` arguments."""
     # No %(default)s here: parse_intermixed_args suppresses positional defaults and help would crash.
     p.add_argument("config", nargs="?", default=default,
-                   help=f"YAML preset in configs/ (default: {default or 'built-in defaults'})")
+                   help="a shipped preset's name (quickstart, cluster, textworld_cpu, ...), a YAML file or a run "
+                        f"directory (default: {default or 'built-in defaults'})")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="override any setting, e.g. learner.lr=1e-5 actors.num_workers=4")
 

@@ -38,6 +38,9 @@ def test_int_is_accepted_for_float():
     ("bogus.key=1", ["bogus", "unknown section"]),
     ("learner.lr", ["section.key=value"]),
     ("curriculum.enabled=maybe", ["curriculum.enabled", "true or false"]),
+    ("engines.weights_root=/", ["engines.weights_root", "'/'"]),
+    ("engines.weights_root=~/", ["engines.weights_root", "home directory"]),
+    ("engines.weights_root=/root/..", ["engines.weights_root"]),
 ])
 def test_errors_name_the_key(override, fragments):
     with pytest.raises(ConfigError) as err:
@@ -162,3 +165,11 @@ def test_credentials_in_any_url_setting_are_redacted_in_dump():
     for secret in ("qsecret", "tsecret", "esecret"):
         assert secret not in text
     assert "http://m:1" in text  # URLs without credentials are kept as they are
+
+
+def test_the_generate_mode_needs_one_chat_per_episode_and_a_narrow_weights_root_passes(tmp_path):
+    cfg = load_config(CONFIGS / "quickstart.yaml", ["actors.action_mode=generate", "actors.multi_turn=true",
+                                                    f"engines.weights_root={tmp_path}"])
+    assert cfg.actors.action_mode == "generate" and cfg.engines.weights_root == str(tmp_path)
+    with pytest.raises(ConfigError, match="multi_turn=true"):
+        load_config(CONFIGS / "quickstart.yaml", ["actors.action_mode=generate", "actors.multi_turn=false"])

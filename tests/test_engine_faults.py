@@ -31,8 +31,19 @@ SP = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def engine():
-    with launch_engine_process(max_batch_size=4, api_key=KEY, max_queue=4, prefix_cache_mb=32) as proc:
+def weights_root(tmp_path_factory):
+    """An allowed weights root holding a model directory whose weights are a pickled .bin, not safetensors."""
+    root = tmp_path_factory.mktemp("weights")
+    (root / "pickled").mkdir()
+    (root / "pickled" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (root / "pickled" / "pytorch_model.bin").write_bytes(b"\x80\x04not a real pickle")
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(weights_root):
+    with launch_engine_process(max_batch_size=4, api_key=KEY, max_queue=4, prefix_cache_mb=32,
+                               weights_root=str(weights_root)) as proc:
         yield proc.url
 
 
@@ -48,7 +59,7 @@ async def _health_latencies(url: str, stop: asyncio.Event) -> list[float]:
     return out
 
 
-async def test_hostile_requests_fail_alone_and_health_stays_fast(engine):
+async def test_hostile_requests_fail_alone_and_health_stays_fast(engine, weights_root):
     big = json.dumps({"text": "x" * (20 * 2 ** 20)}).encode()  # encoded up front: not on the probing loop
     async with EngineClient([engine], role="test", api_key=KEY, timeout_s=600) as client:
         alone = [await client.generate(p, sampling_params=SP) for p in GOOD]
@@ -66,6 +77,10 @@ async def test_hostile_requests_fail_alone_and_health_stays_fast(engine):
                 await post("20 MB body", data=big, headers={"Content-Type": "application/json"})
                 await post("3000 prompts", json={"text": ["hi"] * 3000, "sampling_params": {"max_new_tokens": 64}})
                 await post("weights outside root", "/update_weights_from_disk", json={"model_path": "/etc"})
+                await post("pickled .bin weights", "/update_weights_from_disk",
+                           json={"model_path": str(weights_root / "pickled")})
+                deep = b"[" * 100_000 + b"]" * 100_000  # Python's decoder recurses: it used to answer 500
+                await post("JSON 100,000 deep", data=deep, headers={"Content-Type": "application/json"})
             async with aiohttp.ClientSession() as s:
                 for name, headers in (("no key", {}), ("wrong key", {"Authorization": "Bearer nope"})):
                     async with s.post(engine + "/generate", json={"text": "hi"}, headers=headers) as r:
@@ -83,7 +98,8 @@ async def test_hostile_requests_fail_alone_and_health_stays_fast(engine):
         latencies = await probe
 
     assert statuses == {"nan temperature": 400, "20 MB body": 413, "3000 prompts": 400,
-                        "weights outside root": 403, "no key": 401, "wrong key": 401}
+                        "weights outside root": 403, "pickled .bin weights": 400, "JSON 100,000 deep": 400,
+                        "no key": 401, "wrong key": 401}
     # every good request got its tokens; temperature 1e-45 is greedy (it used to give inf logits, 500 for all)
     assert [r.output_ids for r in together] == [r.output_ids for r in alone] + [alone[0].output_ids]
     # /health while the engine decodes a full batch with a queue behind it and reads a 20 MB body

@@ -90,7 +90,9 @@ def load_weights(name: str, dtype: str = "float32", device: str = "cpu"):
     import torch  # heavy: only when a model is loaded
     from transformers import AutoModelForCausalLM  # heavy: only when a model is loaded
 
-    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=getattr(torch, dtype)).to(device)
+    # safetensors only: a pickled .bin executes code when loaded, and published weights are safetensors
+    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=getattr(torch, dtype),
+                                                 use_safetensors=True).to(device)
     return model.eval()
 
 

@@ -129,6 +129,8 @@ class EngineApp:
             return await asyncio.to_thread(json.loads, raw)  # a 4 MB body parses for tens of ms: not on the loop
         except ValueError as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:  # the decoder's own depth limit (about 1,000 levels): a client error, not a crash
+            raise RequestError("request body is JSON nested too deeply") from None
 
     async def _tokenize(self, texts: list[str]) -> list[list[int]]:
         limit = CHARS_PER_TOKEN_MAX * self.batcher.max_positions
@@ -328,7 +330,10 @@ class EngineApp:
 
 
 def _load_weights(path: str, dtype: str, device: str = "cpu"):
-    """Only the model: a learner checkpoint need not carry tokenizer files (the tokenizer never changes)."""
+    """Only the model: a learner checkpoint need not carry tokenizer files (the tokenizer never changes).
+    Safetensors only: a directory without them (a pickled .bin) is refused as the client's error."""
+    if not os.path.isdir(path) or not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise ValueError(f"{path} holds no .safetensors weights (published weights are safetensors; .bin is refused)")
     return load_weights(path, dtype, device)
 
 
