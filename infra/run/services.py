@@ -54,6 +54,7 @@ from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, s
 from infra.run.monitoring import Monitoring
 from infra.run.workers import WorkerPool, autoscaler, local_spawner, make_env_factory
 from infra.streams import connect, ping, run_prefix
+from learner import checkpoint as ckpt
 from learner.learner import Learner, stream_learner
 from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel
@@ -85,6 +86,7 @@ class Services:
 
     async def __aenter__(self) -> "Services":
         await self._stack.__aenter__()
+        self._created = not self.run_dir.exists()  # a failed run removes only a directory it made itself
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(dump(self.cfg))
@@ -108,12 +110,28 @@ class Services:
             self.monitoring.sample_streams(self.client, self.prefix)
         except BaseException:
             await self._stack.aclose()
+            self._remove_half_made()
             raise
         return self
 
     async def __aexit__(self, *exc: Any) -> bool:
         await self.monitoring.linger()  # every target of the run is still up for the last scrape
-        return await self._stack.__aexit__(*exc)
+        try:
+            return await self._stack.__aexit__(*exc)
+        finally:
+            if exc[0] is not None:
+                self._remove_half_made()
+
+    def _remove_half_made(self) -> None:
+        """A run that failed before its first checkpoint or summary leaves no run directory behind (its
+        config.yaml would make `dreamgym experiment` and `--resume` take it for a run); a directory it did
+        not make, or one with something to resume from, stays."""
+        if not getattr(self, "_created", False) or not self.run_dir.exists():
+            return
+        if ckpt.latest(self.run_dir) is not None or (self.run_dir / "summary.json").exists():
+            return
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        log.warning("removed the half-made run directory %s: the run failed before its first checkpoint", self.run_dir)
 
     def ray_resources(self) -> dict[str, float]:
         """Ray for this run (`actors.runtime=ray`): joined (`infra.ray_address`, shipping the code as
