@@ -134,7 +134,7 @@ def summary_rows(trajs: list[Trajectory]) -> list[dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--family", default="textworld", choices=["textworld", "miniwob", "alfworld", "browsergym"], help="real environment family")
+    p.add_argument("--family", default="textworld", help="real environment family: textworld, miniwob, alfworld, browsergym, or your own (package.module:Class, gym:<gymnasium id>, a dreamgym.envs entry point; actors/envs/registry.py)")
     p.add_argument("--out", default="", help="data directory to write into (default: infra.data_dir)")
     p.add_argument("--limit", type=int, default=0, help="collect on the first N train tasks only (0 = all)")
     p.add_argument("--rebuild-splits", action="store_true", help="regenerate the task splits even if splits.json exists")

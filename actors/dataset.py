@@ -47,7 +47,7 @@ _COLLECT_FIELDS = ("policies", "episodes_per_task", "noise_eps", "max_steps", "t
 def splits_settings(kind: str, data_cfg, seed: int) -> dict:
     """What shapes the task splits of `kind` (a canonical family: textworld, miniwob, alfworld, browsergym)."""
     return {"family": kind, "seed": seed, "state_format": _STATE_FORMAT.get(kind, 1),
-            **section_settings(data_cfg, prefixes=_SPLIT_PREFIXES.get(kind, ()))}
+            **section_settings(data_cfg, prefixes=_SPLIT_PREFIXES.get(kind, ("env_",)))}  # env_: a plug-in's
 
 
 def offline_settings(kind: str, data_cfg, seed: int) -> dict:

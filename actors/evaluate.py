@@ -111,7 +111,7 @@ def choice_policy_chooser(policy: Any) -> Chooser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--family", default="textworld", choices=["textworld", "miniwob", "alfworld", "browsergym"], help="real environment family")
+    p.add_argument("--family", default="textworld", help="real environment family: textworld, miniwob, alfworld, browsergym, or your own (package.module:Class, gym:<gymnasium id>, a dreamgym.envs entry point; actors/envs/registry.py)")
     p.add_argument("--policy", default="expert", choices=["expert", "random", "noisy", "endpoint", "checkpoint"],
                    help="scripted baseline, an SGLang-compatible policy endpoint, or a local checkpoint served in-process")
     p.add_argument("--endpoint", default="", help="policy engine URL for --policy endpoint")

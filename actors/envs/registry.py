@@ -7,11 +7,36 @@ Family names: "textworld" (or any tw-make family such as "tw-cooking-2", "custom
 (or "browsergym/<env id>": MiniWoB++, or WebArena with the user's servers, through
 BrowserGym). Splits live at `<data_dir>/<family>/splits.json` and are made once (games
 generated, pages visited) from the `data` config section, then read back.
+
+Bring your own environment: any other family name is a plug-in, resolved by `plugin_class`:
+- `package.module:Class` (an import path; the current directory is searched too, so a
+  checkout's `examples.keydoor:KeyDoorEnv` works),
+- a name registered in the `dreamgym.envs` entry-point group of an installed package
+  (`[project.entry-points."dreamgym.envs"] keydoor = "mypkg.envs:KeyDoorEnv"`),
+- `gym:<gymnasium id>`, any gymnasium environment with text observations, through the one
+  adapter in actors/envs/gym_adapter.py.
+The class implements the `Environment` protocol (actors/envs/base.py: async `reset(task)`,
+`step(action)`, `close()`, `info["candidates"]` on every state; `info["expert_action"]` lets
+`dreamgym collect` record expert trajectories) and provides its tasks with one more method,
+
+    @classmethod
+    def tasks(cls, split: str, n: int, seed: int) -> list[Task]: ...
+
+(`split` is "train" or "heldout", `n` is `data.env_tasks` or `data.env_heldout`; the two
+splits must not share tasks). Its constructor may take `max_steps`. The family name itself
+keys its files (`<data_dir>/<family>/splits.json`, `<data_dir>/offline/<family>/...`), so
+`collect`, `eval`, `train`, `fidelity` and `experiment` all take it unchanged. An optional
+classmethod `tasks_from_spec(spec) -> list[Task]` serves `dreamgym eval --tasks`.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib
+import inspect
+import os
+import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,10 +51,68 @@ from actors.envs.miniwob_env import MiniWoBEnv, make_miniwob_tasks
 from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
 from actors.envs.textworld_grammar import consistent_actions as textworld_actions
 from actors.envs.textworld_env import tasks_from_games as textworld_tasks
+from infra.config import BUILTIN_FAMILIES, ENV_ENTRY_POINTS, ConfigError
+
+PLUGIN_METHODS = ("reset", "step", "close", "tasks")
 
 
-def canonical_family(family: str) -> str:
-    """'textworld', 'miniwob', 'alfworld' or 'browsergym' for any family or task-family name."""
+def _import_path(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module.split(".")[0] or os.getcwd() in sys.path:
+            raise ConfigError(f"actors.env_family {spec!r}: cannot import {module!r} ({exc})") from exc
+        sys.path.insert(0, os.getcwd())  # a checkout's own package, as `python -m` would find it
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc2:
+            raise ConfigError(f"actors.env_family {spec!r}: cannot import {module!r} ({exc2})") from exc2
+    obj = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"actors.env_family {spec!r}: module {module!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def plugin_class(family: str) -> type:
+    """The Environment class a plug-in family names (see the module docstring); ConfigError, naming it,
+    when it cannot be imported or lacks the protocol's methods."""
+    spec = family.strip()
+    if spec.startswith("gym:"):
+        from actors.envs.gym_adapter import gym_family  # gymnasium, only for gym: families
+
+        return gym_family(spec[4:])
+    if ":" in spec:
+        cls = _import_path(spec)
+    else:
+        eps = [ep for ep in entry_points(group=ENV_ENTRY_POINTS) if ep.name == spec]
+        if not eps:
+            raise ConfigError(f"unknown environment family {family!r}; expected {', '.join(BUILTIN_FAMILIES)}, "
+                              f"an import path 'package.module:Class', 'gym:<gymnasium id>' or a "
+                              f"{ENV_ENTRY_POINTS!r} entry point")
+        try:
+            cls = eps[0].load()
+        except Exception as exc:
+            raise ConfigError(f"actors.env_family {spec!r}: entry point {eps[0].value!r} failed to load "
+                              f"({type(exc).__name__}: {exc})") from exc
+    missing = [m for m in PLUGIN_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ConfigError(f"actors.env_family {spec!r}: {getattr(cls, '__name__', cls)!r} is not an Environment "
+                          f"with tasks (missing {', '.join(missing)}; see actors/envs/registry.py)")
+    return cls
+
+
+def is_plugin(family: str) -> bool:
+    try:
+        _builtin_kind(family)
+        return False
+    except ValueError:
+        return True
+
+
+def _builtin_kind(family: str) -> str:
     f = family.strip().lower()
     if f == "browsergym" or f.startswith("browsergym/"):
         return "browsergym"
@@ -39,7 +122,36 @@ def canonical_family(family: str) -> str:
         return "alfworld"
     if f == "textworld" or f.startswith("tw-") or f.startswith("custom"):
         return "textworld"
-    raise ValueError(f"unknown environment family {family!r}; expected textworld, miniwob, alfworld or browsergym")
+    raise ValueError(family)
+
+
+def _construct(cls: type, **kw: Any) -> Environment:
+    """`cls(**kw)` with only the keyword arguments its constructor takes (a plug-in may take no max_steps)."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return cls(**kw)
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return cls(**kw)
+    return cls(**{k: v for k, v in kw.items() if k in params})
+
+
+def plugin_tasks(family: str, split: str, n: int, seed: int) -> list:
+    """`n` tasks of a plug-in family's `split`, each marked with the family name."""
+    tasks = list(plugin_class(family).tasks(split, n, seed))
+    for t in tasks:
+        t.family = t.family or family.strip()
+    return tasks
+
+
+def canonical_family(family: str) -> str:
+    """'textworld', 'miniwob', 'alfworld' or 'browsergym' for any built-in family or task-family name;
+    a plug-in family's own name (stripped) once its class resolves (ConfigError naming it if not)."""
+    try:
+        return _builtin_kind(family)
+    except ValueError:
+        plugin_class(family)
+        return family.strip()
 
 
 def make_env(family: str, **kw: Any) -> Environment:
@@ -51,8 +163,9 @@ def make_env(family: str, **kw: Any) -> Environment:
         return AlfWorldEnv(**kw)
     if kind == "browsergym":
         return BrowserGymEnv(**kw)
-
-    return MiniWoBEnv(**kw)
+    if kind == "miniwob":
+        return MiniWoBEnv(**kw)
+    return _construct(plugin_class(kind), **kw)
 
 
 def action_grammar(family: str) -> Callable[[str, list[str]], list[str]] | None:
@@ -61,7 +174,7 @@ def action_grammar(family: str) -> Callable[[str, list[str]], list[str]] | None:
     what the description rules out and adds what it implies); None for the others (web pages list
     what is on them) and for a family name it does not know."""
     try:
-        kind = canonical_family(family)
+        kind = _builtin_kind(family)
     except ValueError:
         return None
     return textworld_actions if kind == "textworld" else None
@@ -85,6 +198,11 @@ def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: 
                                      list(data_cfg.alfworld_task_types), seed=seed,
                                      heldout_task_types=list(data_cfg.alfworld_heldout_task_types),
                                      workers=data_cfg.workers)
+    elif is_plugin(kind):
+        splits = TaskSplits(plugin_tasks(kind, "train", data_cfg.env_tasks, seed),
+                            plugin_tasks(kind, "heldout", data_cfg.env_heldout, seed))
+        if not splits.train:
+            raise ConfigError(f"actors.env_family {kind!r}: its tasks('train', {data_cfg.env_tasks}, {seed}) returned none")
     elif kind == "browsergym":
         splits = make_browsergym_tasks(list(data_cfg.browsergym_tasks), list(data_cfg.browsergym_heldout),
                                        seeds_per_task=data_cfg.browsergym_seeds, seed=seed)
@@ -108,6 +226,11 @@ def tasks_from_spec(family: str, spec: str, data_cfg: Any = None, seed: int = 0)
     `data.miniwob_seeds` page seeds.
     """
     kind = canonical_family(family)
+    if is_plugin(kind):
+        cls = plugin_class(kind)
+        if not callable(getattr(cls, "tasks_from_spec", None)):
+            raise ValueError(f"--tasks {spec}: family {kind!r} has no tasks_from_spec; its held-out split is evaluated without --tasks")
+        return [t for t in cls.tasks_from_spec(spec)]
     if kind in GAME_SUFFIXES:
         p = Path(spec)
         paths = sorted(p.iterdir()) if p.is_dir() else [Path(x) for x in sorted(glob.glob(spec))] or [p]
