@@ -51,7 +51,7 @@ class EvalReport:
     invalid_rate: float  # invalid actions / all actions
     env_errors: int
     seconds: float
-    per_task: list = field(default_factory=list)  # [{task_id, success, steps, invalid}]
+    per_task: list = field(default_factory=list)  # [{task_id, success, steps, invalid, status, family, plan_length}]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,7 +64,11 @@ def summarize(trajs: Sequence[Trajectory], family: str, policy: str, seconds: fl
     invalid = sum(1 for t in trajs for s in t.steps if not s.valid)
     lo, hi = wilson_interval(k, n)
     per = [{"task_id": t.task_id, "success": t.success, "steps": len(t.steps),
-            "invalid": sum(1 for s in t.steps if not s.valid), "status": t.status.value} for t in trajs]
+            "invalid": sum(1 for s in t.steps if not s.valid), "status": t.status.value,
+            # what the results table's slices read (infra/run/generalisation.py): the task's family and the
+            # expert's plan length from its start, where the task records one
+            "family": t.task.family if t.task else "",
+            "plan_length": t.task.meta.get("plan_length") if t.task else None} for t in trajs]
     return EvalReport(family, policy, n, k, k / n if n else 0.0, lo, hi, n_steps / n if n else 0.0,
                       invalid / n_steps if n_steps else 0.0, sum(t.status == Status.ENV_ERROR for t in trajs),
                       seconds, per)

@@ -42,6 +42,9 @@ infra/run/cluster/scheduler_actor.py).
   of a run's first 100 tasks while 171 trajectories went untrained as zero variance.
 - `cfg.enabled = False` is the paper's "w/o task generation" ablation: uniform
   sampling over the seed tasks, no variants.
+- Sim-to-real's real phase (`real_selection = "split"`, from `learner.s2r_selection`):
+  the seed tasks are ranked, not sampled, by simulator/s2r_selection.py (where the
+  policy's recent groups split first), each once per pass unless its real group split.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from infra.config import CurriculumConfig
 from infra.schema import Task, encode, from_dict, to_dict
 from infra.streams import StreamProducer, stream_backlog, tasks_stream, with_retry
 from infra.task_stats import TaskStats, TaskStatsStore
+from simulator.s2r_selection import pick_splitting, still_played
 from simulator.task_pool import PoolFull, TaskPool, counters_key
 
 log = logging.getLogger(__name__)
@@ -191,6 +195,11 @@ class CurriculumScheduler:
         # play tasks that have a real counterpart: a game file or page. Variants written by
         # Mtask have none, so they are neither handed out nor generated then.
         self.real_only = False
+        # Sim-to-real's real phase (`learner.s2r_selection`): 'split' plays the seed tasks where the policy
+        # still splits, ranked by simulator/s2r_selection.py; 'curriculum' samples as in the DreamGym phase.
+        self.real_selection = "curriculum"
+        # tasks the 'split' rule handed out in this pass of the real phase -> their group count then
+        self._real_handed: dict[str, int] = {}
 
     async def start(self) -> None:
         """Load the pool and counters from Redis (a restart keeps them) and add the seed tasks."""
@@ -254,6 +263,8 @@ class CurriculumScheduler:
         seed_ids = [t for t in ids if not self.pool.tasks[t].generated and (self.pool.tasks[t].game_file
                                                                               or not self.real_only)]
         b = self.cfg.batch_size
+        if self.real_only and self.real_selection == "split" and seed_ids:
+            return [self.pool.tasks[t] for t in self._pick_splitting(seed_ids, b)]
         if not seed_ids:  # only generated tasks left (cannot happen with seeds given; guard anyway)
             weights = selection_weights(gen_ids, self.last_stats, self.cfg.min_weight)
             return [self.pool.tasks[t] for t in weighted_sample(gen_ids, weights, min(b, len(gen_ids)), self.rng)]
@@ -282,6 +293,18 @@ class CurriculumScheduler:
                     return out + weighted_sample(ids, weights, k - len(out), self.rng)
             out.append(rest.pop())
         return out
+
+    def _pick_splitting(self, ids: list[str], k: int) -> list[str]:
+        """Sim-to-real's real phase: the k seed tasks where the policy splits most (simulator/s2r_selection.py),
+        each once per pass over them."""
+        played = still_played(self._real_handed, self.last_stats)
+        if set(ids) <= played:  # every seed handed out and none split since: the next pass
+            self._real_handed, played = {}, set()
+        picks = pick_splitting(ids, self.last_stats, k, played)
+        for t in picks:
+            s = self.last_stats.get(t)
+            self._real_handed[t] = s.groups if s is not None else 0
+        return picks
 
     async def generate_round(self) -> list[Task]:
         """One Mtask round: expand the top-ranked tasks, add the validated variants to the pool."""

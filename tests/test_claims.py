@@ -1,5 +1,6 @@
-"""The paper's four claims checked on an experiment's finished runs (infra/run/claims.py), and the runner's
-refusal to report a regime with its old run's figures after the experiment file changed its settings.
+"""The paper's four claims checked on an experiment's finished runs (infra/run/claims.py): on the mean of each
+regime's repeats, called only with enough of them; and the runner's refusal to report a regime with its old
+run's figures after the experiment file changed its settings.
 
 The summaries are written as `dreamgym train` leaves them (summary.json, config.yaml); the runner is the
 real `dreamgym experiment` command, with `--report` and `--list` so that no regime trains here.
@@ -8,6 +9,8 @@ real `dreamgym experiment` command, with `--report` and `--list` so that no regi
 from __future__ import annotations
 
 import json
+import math
+import random
 import subprocess
 import sys
 
@@ -16,10 +19,11 @@ import yaml
 
 from infra.config import ConfigError, dump, load_config
 from infra.run import claims
-from infra.run.claims import MET, NOT_MET, NOT_RUN, Roles
+from infra.run.claims import MET, NOT_MET, NOT_RUN, UNDECIDED, Roles
 from infra.run.experiment import load_experiment, regime_named, run_dir, settings_changed
 
-ROLES = Roles(sft="sft", dreamgym="dg", real="real", s2r="s2r", ablations=("no_a", "no_b"))
+# One run per regime is enough in the tests of each claim's logic; the rule for repeats has tests of its own.
+ROLES = Roles(sft="sft", dreamgym="dg", real="real", s2r="s2r", ablations=("no_a", "no_b"), repeats_needed=1)
 
 
 def summary(wins: list[int], online_real: int = 0) -> dict:
@@ -85,8 +89,98 @@ def test_repeated_runs_are_pooled_as_in_the_table():
     second = [1] * 22 + [0] * 18
     found = by_target(claims.check(ROLES, {"sft": [summary(SFT)], "dg": [summary(DG), summary(second)],
                                            "real": [summary(REAL, 1300)]}))
-    assert found[1]["diff"] == pytest.approx(0.65 - 0.25) and "(2 runs)" in found[1]["detail"]
+    assert found[1]["diff"] == pytest.approx(0.65 - 0.25) and "(2 runs: 75.0, 55.0; spread 20.0 pts)" in found[1]["detail"]
     assert found[2]["ratio"] == pytest.approx(0.65 / 0.80) and found[2]["status"] == NOT_MET
+
+
+K3 = Roles(sft="sft", dreamgym="dg", real="real", s2r="s2r", ablations=("no_a", "no_b"), dreamgym_faithful="faith")
+
+
+def test_a_claim_is_called_only_when_every_regime_has_its_repeats():
+    one = {"sft": [summary(SFT)], "dg": [summary(DG)]}
+    c1 = by_target(claims.check(K3, one))[1]
+    # one run of each: undecided, saying how many runs it needs, with what the runs so far showed
+    assert c1["status"] == UNDECIDED
+    assert c1["detail"].startswith("needs >= 3 runs per regime (has 1): dg 1 run, sft 1 run; so far met: ")
+    # SFT's repeats would reproduce its first run (no update, greedy): one run of it counts as repeated
+    c1 = by_target(claims.check(K3, one, identical={"sft"}))[1]
+    assert c1["status"] == UNDECIDED and "(has 1): dg 1 run; so far" in c1["detail"] and "sft 1" not in c1["detail"]
+    two = {**one, "dg": [summary(DG), summary(DG)]}
+    assert "(has 2): dg 2 runs" in by_target(claims.check(K3, two, identical={"sft"}))[1]["detail"]
+    three = {**one, "dg": [summary(DG)] * 3}
+    assert by_target(claims.check(K3, three, identical={"sft"}))[1]["status"] == MET
+    # three runs whose mean falls short of SFT + 10 decide it the other way
+    low = [1] * 12 + [0] * 28  # 0.30: +5 pts
+    found = by_target(claims.check(K3, {**one, "dg": [summary(DG), summary(low), summary(low)]}, identical={"sft"}))
+    assert found[1]["status"] == NOT_MET and found[1]["diff"] == pytest.approx((0.75 + 0.30 + 0.30) / 3 - 0.25)
+    # a claim without its regimes stays "not run", not undecided
+    assert by_target(claims.check(K3, one))[3]["status"] == NOT_RUN
+
+
+def test_the_mean_of_repeats_matches_a_slow_computation():
+    rng = random.Random(7)
+    tasks = 40
+    dg = [[int(rng.random() < p) for _ in range(tasks)] for p in (0.9, 0.5, 0.7, 0.6)]  # four runs that disagree
+    sft = [int(rng.random() < 0.3) for _ in range(tasks)]
+    found = by_target(claims.check(K3, {"sft": [summary(sft)], "dg": [summary(w) for w in dg]}, identical={"sft"}))
+    # slow and obvious: each run's success, their mean, minus SFT's
+    rates = []
+    for wins in dg:
+        won = 0
+        for w in wins:
+            won += w
+        rates.append(won / tasks)
+    mean = 0.0
+    for r in rates:
+        mean += r / len(rates)
+    expected = mean - sum(sft) / tasks
+    c1 = found[1]
+    assert c1["diff"] == pytest.approx(expected) and c1["runs"]["dg"] == pytest.approx(rates)
+    assert c1["ci_low"] <= c1["diff"] <= c1["ci_high"] and c1["tasks_ci_low"] <= c1["diff"] <= c1["tasks_ci_high"]
+    # runs this far apart widen the interval beyond what the tasks alone give
+    assert c1["ci_high"] - c1["ci_low"] > c1["tasks_ci_high"] - c1["tasks_ci_low"]
+    spread = max(rates) - min(rates)
+    assert f"4 runs: {', '.join(f'{100 * r:.1f}' for r in rates)}; spread {100 * spread:.1f} pts" in c1["detail"]
+    assert "over tasks alone" in c1["detail"]
+
+
+def test_claim_1_is_also_checked_on_the_paper_faithful_regime():
+    # the replaying regime clears SFT + 10; the one that asks Mexp every step gains 7.5 points only
+    runs = {"sft": [summary(SFT)], "dg": [summary(DG)] * 3, "faith": [summary([1] * 13 + [0] * 27)] * 3}
+    found = by_target(claims.check(K3, runs, identical={"sft"}))
+    assert found[1]["status"] == MET and found["1b"]["status"] == NOT_MET
+    assert "faith (as in the paper: every synthetic step asked of Mexp, none replayed)" in found["1b"]["claim"]
+    assert found["1b"]["diff"] == pytest.approx(0.325 - 0.25) and "faith 0.325 (3 runs" in found["1b"]["detail"]
+    runs["faith"] = runs["faith"][:1]  # with one run it is not called either way
+    assert by_target(claims.check(K3, runs, identical={"sft"}))["1b"]["status"] == UNDECIDED
+    assert "1b" not in by_target(claims.check(ROLES, runs))  # no faithful regime named: no claim 1b
+
+
+def test_an_ablation_above_the_full_regime_on_enough_runs_misses_claim_4_already():
+    runs = {"dg": [summary(DG)] * 3, "no_a": [summary(DG)] * 3, "no_b": [summary(SFT)]}
+    c4 = by_target(claims.check(K3, runs))[4]
+    assert c4["status"] == NOT_MET and "not below: no_a" in c4["detail"]  # no_b's missing runs change nothing
+    runs["no_a"] = [summary(SFT)] * 3
+    c4 = by_target(claims.check(K3, runs))[4]
+    assert c4["status"] == UNDECIDED and "(has 1): no_b 1 run" in c4["detail"]
+    runs["no_b"] = [summary(SFT)] * 3
+    assert by_target(claims.check(K3, runs))[4]["status"] == MET
+
+
+def test_the_repeats_written_down_follow_from_the_measured_spread():
+    def slow(gap: float, sd: float) -> int:  # the smallest n whose runs part of the interval is within the gap
+        n = 1
+        while 1.96 * sd / math.sqrt(n) > gap:
+            n += 1
+        return n
+
+    for gap in (0.05, 0.10, 0.15, 0.20, 0.30, 0.5):
+        assert claims.runs_to_resolve(gap) == slow(gap, claims.RUN_SD)
+    # the figures claims.py's docstring (and the presets) write down: 4-5 runs for 20 points, 13 for 10
+    assert claims.runs_to_resolve(0.20) == 4 and claims.runs_to_resolve(0.10) == 13
+    assert claims.runs_to_resolve(0.20) > claims.REPEATS_NEEDED  # the floor of 3 calls nothing that close alone
+    with pytest.raises(ValueError):
+        claims.runs_to_resolve(0)
 
 
 def test_roles_are_validated_against_the_regimes():
@@ -96,9 +190,17 @@ def test_roles_are_validated_against_the_regimes():
         Roles.parse({"baseline": "sft"}, ["sft"], "x.yaml: claims")
     with pytest.raises(ConfigError, match="ablations must be a list"):
         Roles.parse({"ablations": "no_a"}, ["no_a"], "x.yaml: claims")
+    for bad in (0, 2.5, "3", True):
+        with pytest.raises(ConfigError, match="repeats_needed must be a whole number"):
+            Roles.parse({"repeats_needed": bad}, [], "x.yaml: claims")
+    with pytest.raises(ConfigError, match="'nope' is not one of the regimes"):
+        Roles.parse({"dreamgym_faithful": "nope"}, ["dg"], "x.yaml: claims")
+    assert Roles.parse({"dreamgym": "dg"}, ["dg"], "x").repeats_needed == 3  # the default floor
     for shipped in ("textworld_cpu", "textworld_gpu", "miniwob_cpu"):  # every shipped preset names its roles
         roles = load_experiment(f"configs/experiments/{shipped}.yaml").roles
         assert roles is not None and roles.dreamgym == "dreamgym_grpo" and roles.s2r == "dreamgym_s2r"
+        # claim 1 is checked on the paper-faithful regime too, and every claim on at least 3 runs a regime
+        assert roles.dreamgym_faithful == "no_replay" and roles.repeats_needed >= 3
 
 
 def _experiment(tmp_path) -> tuple:
@@ -106,7 +208,8 @@ def _experiment(tmp_path) -> tuple:
     base.write_text(yaml.safe_dump({"infra": {"run_dir": str(tmp_path / "runs"), "data_dir": str(tmp_path / "data")}}))
     spec = tmp_path / "exp.yaml"
     doc = {"name": "cl", "base": str(base), "compare_to": "sft",
-           "claims": {"sft": "sft", "dreamgym": "dg", "real": "real", "s2r": "s2r", "ablations": ["no_a"]},
+           "claims": {"sft": "sft", "dreamgym": "dg", "real": "real", "s2r": "s2r", "ablations": ["no_a"],
+                      "repeats_needed": 1},
            "regimes": {"sft": {"overrides": ["learner.total_updates=0"]}, "dg": {},
                        "real": {"overrides": ["actors.env_kind=real", "actors.real_transitions=2000"]},
                        "s2r": {"continues": "dg", "overrides": ["learner.s2r_real_transitions=112"]},
@@ -142,6 +245,19 @@ def test_the_report_states_each_claim_for_the_collection(tmp_path):
     assert "3. **not met**: s2r > real with <= 10 % of its real transitions." in md  # level with real, not above
     out = " ".join(rep.stdout.split())
     assert "1. met: dg, no online real transition, >= sft + 10 pts" in out and "3. not met" in out
+    # as the shipped presets ask (3 runs a regime, the default), the same single runs call no claim
+    doc = yaml.safe_load(spec.read_text())
+    del doc["claims"]["repeats_needed"]
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rep = subprocess.run([*cmd, "--report"], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
+    res = json.loads((run_dir(exp) / "results.json").read_text())
+    assert [(c["target"], c["status"]) for c in res["claims"]] == [(1, UNDECIDED), (2, UNDECIDED), (3, UNDECIDED),
+                                                                    (4, UNDECIDED)]
+    md = (run_dir(exp) / "results.md").read_text()
+    # sft trains no update and evaluates greedily: its one run counts as repeated, dg's does not
+    assert "1. **undecided**: dg, no online real transition, >= sft + 10 pts, paired interval above 0. needs >= 3 " \
+           "runs per regime (has 1): dg 1 run; so far met: " in md
 
 
 def test_a_regime_whose_settings_changed_is_not_reported_with_its_old_run(tmp_path):

@@ -210,6 +210,13 @@ def test_eval_takes_a_directory_of_generated_games(tmp_path):
     report = json.loads(out.read_text())
     assert report["episodes"] == 2 and report["success_rate"] == 1.0  # the expert solves both
     assert {r["task_id"] for r in report["per_task"]} == {"custom-s7", "custom-s8"}
+    # each task records the expert's plan length from its start, and each evaluated row carries it with the
+    # task's family (the results table's slices): the expert, following its plan, takes exactly that many steps
+    plans = {t.task_id: t.meta["plan_length"] for t in tasks}
+    assert all(n >= 1 for n in plans.values())
+    assert {r["task_id"]: (r["family"], r["plan_length"]) for r in report["per_task"]} == \
+        {t: ("textworld", n) for t, n in plans.items()}
+    assert all(r["steps"] == r["plan_length"] for r in report["per_task"])
 
 
 @pytest.mark.slow
@@ -396,8 +403,8 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
     table = [r.name for r in selected(exp, [])]
     # the claims' regimes first, the ablations with a Mexp of their own after those that reuse the full
     # regime's, PPO last (no claim needs it): a table stopped short has checked the most it could
-    assert table == ["base", "sft", "dreamgym_grpo", "real_grpo", "dreamgym_s2r", "no_curriculum", "no_writeback",
-                     "no_retrieval", "no_reasoning", "real_ppo", "dreamgym_ppo"]
+    assert table == ["base", "sft", "dreamgym_grpo", "real_grpo", "dreamgym_s2r", "no_replay", "no_curriculum",
+                     "no_writeback", "no_retrieval", "no_reasoning", "real_ppo", "dreamgym_ppo"]
     assert [r.name for r in selected(exp, ["sft_strong", "sft"])] == ["sft", "sft_strong"]  # file order
     # the untrained and warm-started policies, evaluated greedily, are the same in every repeat
     assert [r.name for r in exp.regimes if identical_repeats(exp, r)] == ["base", "sft", "sft_long", "sft_strong"]
@@ -434,7 +441,8 @@ def test_the_miniwob_preset_runs_the_main_regimes_on_web_pages():
     # textworld_cpu.yaml's recipe on MiniWoB++ pages: its own data directory, held-out tasks never trained on,
     # and sim-to-real with a tenth of real GRPO's real transitions
     exp = load_experiment("configs/experiments/miniwob_cpu.yaml")
-    assert [r.name for r in selected(exp, [])] == ["base", "sft", "dreamgym_grpo", "real_grpo", "dreamgym_s2r"]
+    assert [r.name for r in selected(exp, [])] == ["base", "sft", "dreamgym_grpo", "real_grpo", "dreamgym_s2r",
+                                                   "no_replay"]
     cfgs = {r.name: exp.config(r) for r in exp.regimes}
     assert {c.actors.env_family for c in cfgs.values()} == {"miniwob"}
     assert {c.infra.data_dir for c in cfgs.values()} == {"data/exp-miniwob"}
@@ -442,6 +450,23 @@ def test_the_miniwob_preset_runs_the_main_regimes_on_web_pages():
     assert data.miniwob_heldout and not set(data.miniwob_heldout) & set(data.miniwob_tasks)
     assert 10 * cfgs["dreamgym_s2r"].learner.s2r_real_transitions == cfgs["real_grpo"].actors.real_transitions
     assert cfgs["dreamgym_grpo"].actors.env_kind == "synthetic" and cfgs["real_grpo"].actors.env_kind == "real"
+
+
+def test_no_replay_is_dreamgym_with_every_step_asked_of_mexp():
+    """Every preset with a DreamGym GRPO regime has its paper-faithful twin, loaded through the real loader: the
+    same run but for simulator.replay_real (retrieval still on), the same cached Mexp, in the table, and the
+    regime claim 1 is checked on a second time."""
+    for preset in ("textworld_cpu", "textworld_gpu", "miniwob_cpu"):
+        exp = load_experiment(f"configs/experiments/{preset}.yaml")
+        regimes = {r.name: r for r in exp.regimes}
+        assert "no_replay" in [r.name for r in selected(exp, [])], preset  # the table's, not an extra
+        faithful, full = exp.config(regimes["no_replay"]), exp.config(regimes["dreamgym_grpo"])
+        a, b = faithful.to_dict(), full.to_dict()
+        assert [f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]] == ["simulator.replay_real"], preset
+        assert not faithful.simulator.replay_real and full.simulator.replay_real and faithful.simulator.retrieval
+        assert faithful.actors.env_kind == "synthetic" and faithful.learner.total_updates > 0
+        assert mexp_sft.cache_dir(faithful) == mexp_sft.cache_dir(full)  # replay acts when serving, not in SFT
+        assert exp.roles.dreamgym_faithful == "no_replay"
 
 
 def test_experiment_files_are_validated_before_anything_runs(tmp_path):

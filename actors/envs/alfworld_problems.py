@@ -428,6 +428,8 @@ def tasks_from_games(paths: list[Path], seeds: list[int] | None = None) -> list[
                         meta={"scene": meta["scene"], "task_type": meta["task_type"]})
             state, _info = env.reset_sync(task)
             task.instruction, task.initial_state = env.objective, state
+            if env._walkthrough:  # the expert's plan: the results table's "longer than training" slice reads it
+                task.meta["plan_length"] = len(env._walkthrough)
             tasks.append(task)
     finally:
         env.close_sync()

@@ -143,6 +143,8 @@ def tasks_from_games(paths: list[Path], origins: list[tuple[str, int]] | None = 
             state, _info = env.reset_sync(task)
             task.instruction = env.objective
             task.initial_state = state
+            # the expert's plan from the start: the results table's "longer than training" slice reads it
+            task.meta["plan_length"] = len(env._gs.policy_commands or [])
             tasks.append(task)
     finally:
         env.close_sync()

@@ -19,7 +19,9 @@ plots, summary.json, table (infra/run/report.py).
 The phases: DreamGym (synthetic environments); the real-environment baseline
 (`actors.env_kind=real`, within an exact budget of real transitions,
 `actors.real_transitions`); sim-to-real (DreamGym, then the same learner in the real
-environment for `learner.s2r_real_transitions`). `learner.total_updates=0` runs no
+environment for `learner.s2r_real_transitions`, on the tasks where the policy still splits,
+`learner.s2r_selection`; summary.json's `s2r_trained_share` is the share of those real
+transitions that reached an update). `learner.total_updates=0` runs no
 phase and only evaluates the starting policy (the base and SFT regimes of
 `dreamgym experiment`); runs without a synthetic phase start neither the replay
 buffer nor Mexp, unless `simulator.fidelity_every` asks for the live fidelity probe
@@ -134,9 +136,10 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
             await learner.finish()
         after = await heldout_eval(cfg, svc, splits.heldout, "after", console) if evaluate else None
         record_success_gap(history.rows[-1].get("success_rate") if history.rows else None, after)
+        summary.update(s2r_share(phases))
 
         summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
-                                 offline, fidelity, await run_counts(svc.client, svc.prefix))
+                                 offline, fidelity, await run_counts(svc.client, svc.prefix), splits.train)
         if placement := svc.placements():  # actors.runtime=ray: the node each actor ran on
             summary["placement"] = placement
         return report.write_report(svc.run_dir, summary, history, console)
@@ -178,9 +181,28 @@ def rl_plan(cfg: Config) -> list[tuple[Config, str, int]]:
         return []
     plan = [(cfg, "DreamGym" if cfg.actors.env_kind == "synthetic" else "real env", lc.total_updates)]
     if lc.s2r_real_transitions and cfg.actors.env_kind == "synthetic":
-        real = dataclasses.replace(cfg, actors=dataclasses.replace(cfg.actors, env_kind="real",
-                                                                   real_transitions=lc.s2r_real_transitions))
-        plan.append((real, "sim-to-real: real env", lc.total_updates + (lc.s2r_max_updates or 1_000_000)))
+        real = dataclasses.replace(cfg, actors=dataclasses.replace(
+            cfg.actors, env_kind="real", real_transitions=lc.s2r_real_transitions,
+S2R_PHASE = "sim-to-real: real env"
+
+
+def s2r_share(phases: list[dict]) -> dict:
+    """summary.json's account of sim-to-real's real phase: its real transitions, those in trajectories an
+    update trained on (the rest fell in zero-variance, broken or stale groups, or were left unused), and
+    the share; {} without a real phase, and the trained count None when a resumed run's earlier segment
+    spent the budget (that segment's updates are not counted here)."""
+    real = [p for p in phases if p["phase"] == S2R_PHASE]
+    if not real:
+        return {}
+    used = sum(p["real_transitions"] for p in real)
+    known = [p["real_transitions_trained"] for p in real if p.get("real_transitions_trained") is not None]
+    trained = sum(known) if len(known) == len(real) else None
+    return {"s2r_real_transitions": used, "s2r_real_transitions_trained": trained,
+            "s2r_trained_share": round(trained / used, 4) if trained is not None and used else None}
+
+
+            temperature=lc.s2r_temperature or cfg.actors.temperature))
+        plan.append((real, S2R_PHASE, lc.total_updates + (lc.s2r_max_updates or 1_000_000)))
     return plan
 
 
@@ -200,11 +222,14 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
         # the real transitions it used are on the run's Redis counter, which outlives the killed segment
         return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": 0,
                 "real_transitions": await real.used() if real is not None else 0,
+    curriculum.real_selection = cfg.learner.s2r_selection if label == S2R_PHASE else "curriculum"
+    trained_steps = [0]  # the trainable steps of the trajectories this phase's updates used (real: real transitions)
                 "synthetic_transitions": 0, "trajectories_pushed": 0, "trajectories_set_aside": {},
                 "trajectories_waiting": 0, "transition_budget_spent": real is not None and await real.spent(),
                 "seconds": 0.0, "earlier_segment": True}
     counts0, aside0, mexp0 = await run_counts(svc.client, svc.prefix), learner.set_aside, metrics.mexp_steps()
     curriculum.real_only = real is not None
+            trained_steps[0] += s.steps
     learner.env_kind = cfg.actors.env_kind  # sim-to-real: the DreamGym phase's leftovers are set aside, not trained
     stop = budget(cfg.infra.train_budget_s)
     with report.training_progress(console, cfg, learner, history, label, until) as record:
@@ -224,6 +249,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
                 watch.cancel()
     spent = real is not None and await real.spent()
     if stop.is_set() and not spent and learner.updates < until:
+            "real_transitions_trained": trained_steps[0] if real is not None else 0,
         console.print(f"[yellow]{label}: train budget of {cfg.infra.train_budget_s:.0f} s spent after "
                       f"{learner.updates} updates[/]")
     counts = await run_counts(svc.client, svc.prefix)

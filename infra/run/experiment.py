@@ -48,17 +48,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
-from actors.confidence import compare, compare_runs, wilson_interval
 from infra.config import Config, ConfigError, dump, load_config
 from infra.run import claims
 from infra.run.fork import fork_run
+from infra.run.results_table import markdown, plot, print_table, results, row  # noqa: F401 (row: the tests')
 from infra.streams import run_prefix
 from learner import checkpoint
 
@@ -91,6 +88,10 @@ class Experiment:
     def config(self, regime: Regime) -> Config:
         """The config one regime's run trains with."""
         return load_config(self.base or None, [*self.overrides, *regime.overrides])
+
+    def identical_regimes(self) -> set[str]:
+        """The regimes whose repeats would reproduce their first run (`identical_repeats`): one run is all of them."""
+        return {r.name for r in self.regimes if identical_repeats(self, r)}
 
 
 def load_experiment(path: str | Path) -> Experiment:
@@ -293,174 +294,6 @@ def run_anchors(exp: Experiment, console: Console) -> dict[str, dict]:
     return reports
 
 
-def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, baseline_name: str,
-        wall_seconds: float | None = None) -> dict:
-    """One regime's line of the results: success and its interval, the paired difference, the costs.
-
-    `runs` (and `baseline`) hold the summaries of each of the regime's runs. One run: its success with
-    a Wilson interval. Several: their mean, with a bootstrap interval over runs and tasks; the costs
-    and the Mexp's fidelity are then the first run's, and `runs` lists each run's success."""
-    s = runs[0]
-    after = s["heldout_after"]
-    k, n = after.get("successes", round(after["success_rate"] * after["episodes"])), after["episodes"]
-    rates = [r["heldout_after"]["success_rate"] for r in runs]
-    if len(runs) == 1:
-        lo, hi = wilson_interval(int(k), int(n))
-    else:
-        pooled = compare_runs([r["heldout_after"].get("per_task", []) for r in runs])
-        lo, hi = pooled.ci_low, pooled.ci_high
-    tr = s.get("transitions", {})
-    fid = s.get("mexp_fidelity") or {}
-    out = {"regime": name, "about": about, "success_rate": sum(rates) / len(rates), "ci_low": lo, "ci_high": hi,
-           "runs": rates,
-           "episodes": n, "updates": s.get("updates", 0), "real_transitions": tr.get("online_real", 0),
-           "offline_real_transitions": tr.get("offline_real", 0), "synthetic_transitions": tr.get("synthetic", 0),
-           "mexp_reward_accuracy": fid.get("reward_accuracy"), "mexp_delta_r": fid.get("delta_r_mean"),
-           "mexp_reward_recall": fid.get("reward_recall"), "mexp_reward_precision": fid.get("reward_precision"),
-           "mexp_below_threshold": fid.get("below_threshold"), "wall_seconds": s.get("total_seconds") if wall_seconds is None else wall_seconds,
-           "train_seconds": s.get("train_seconds")}
-    if baseline and name != baseline_name:
-        d = compare_runs([r["heldout_after"].get("per_task", []) for r in runs],
-                         [b["heldout_after"].get("per_task", []) for b in baseline])
-        out.update({"vs": baseline_name, "diff": d.diff, "diff_ci_low": d.ci_low, "diff_ci_high": d.ci_high,
-                    "diff_tasks": d.tasks, "diff_excludes_zero": d.excludes_zero})
-    # Sim-to-real evaluates between its phases: what its synthetic phase alone reached, and what the
-    # real phase added on the same tasks (paired).
-    out["between_phases"] = [{"after": p["phase"], "success_rate": p["heldout_after"]["success_rate"],
-                              "episodes": p["heldout_after"]["episodes"],
-                              "gain_after": _paired(after, p["heldout_after"])}
-                             for p in s.get("phases", []) if p.get("heldout_after")]
-    return out
-
-
-def _paired(a: dict, b: dict) -> dict:
-    d = compare(a.get("per_task", []), b.get("per_task", []))
-    return {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks}
-
-
-def carried_seconds(source: dict) -> float:
-    """The wall time a run that continues `source`'s finished run carries: that run's clock at its last
-    update (the checkpoint continued from; RunHistory.resume), not its total, which adds its final evaluation."""
-    history = source.get("history") or []
-    return float(history[-1].get("wall", history[-1].get("t", 0.0))) if history else 0.0
-
-
-def own_seconds(regime: Regime, summaries: dict[str, list[dict]]) -> list[float]:
-    """The wall time of each of a regime's runs, its own part only: a run that continues another's finished
-    run carries that run's history, so its total includes the source's time to its last update."""
-    source = [carried_seconds(s) for s in summaries.get(regime.continues, [])] if regime.continues else []
-    return [max(0.0, (s.get("total_seconds") or 0.0) - (source[i] if i < len(source) else 0.0))
-            for i, s in enumerate(summaries[regime.name])]
-
-
-def results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str, dict] | None = None) -> dict:
-    """The experiment's results from each regime's finished runs (`runs_of`)."""
-    ran = [r for r in exp.regimes if summaries.get(r.name)]
-    own = {r.name: own_seconds(r, summaries) for r in ran}
-    rows = [row(r.name, r.about, summaries[r.name], summaries.get(vs := r.compare_to or exp.compare_to), vs,
-                wall_seconds=own[r.name][0])  # the first run's, as the row's other costs
-            for r in ran]
-    table = [r for r in ran if not r.extra]
-    return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
-            "regimes": rows, "missing": [r.name for r in exp.regimes if not summaries.get(r.name) and not r.extra],
-            # each run's own wall time (a continuing regime's counts its own part), summed over the table's
-            "table_seconds": sum(sum(own[r.name]) for r in table),
-            "table_regimes_run": len(table),
-            "claims": claims.check(exp.roles, summaries) if exp.roles else [],
-            "anchors": {p: {k: a[k] for k in ("success_rate", "ci_low", "ci_high", "episodes", "mean_steps")}
-                        for p, a in (anchors or {}).items()}}
-
-
-def _diff(r: dict, column: str) -> str:
-    """A row's paired difference, naming its baseline where it is not the column's."""
-    if "diff" not in r:
-        return "–"
-    vs = "" if r["vs"] == column else f" vs {r['vs']}"
-    return f"{100 * r['diff']:+.1f} [{100 * r['diff_ci_low']:+.1f}, {100 * r['diff_ci_high']:+.1f}]{vs}"
-
-
-def _runs(r: dict) -> str:
-    """A regime's runs, where it has more than one: '; 2 runs: 91.7, 58.3'."""
-    runs = r.get("runs", [])
-    return f"; {len(runs)} runs: {', '.join(_pct(x) for x in runs)}" if len(runs) > 1 else ""
-
-
-def _pct(x: Any) -> str:
-    return "–" if x is None else f"{100 * x:.1f}"
-
-
-def wall_time(res: dict) -> str:
-    """The table's wall time: its regimes' runs, each its own time, summed."""
-    t, n = res["table_seconds"], res["table_regimes_run"]
-    of = f"{n} of the table's {n + len(res['missing'])} regimes" if res["missing"] else f"the table's {n} regimes"
-    return (f"Wall time: {of} took {int(t // 3600)} h {int(t % 3600 // 60):02d} min, each run's own time summed "
-            "(a regime that continues another counts only its own part).")
-
-
-def markdown(res: dict) -> str:
-    head = ["regime", "held-out success % [95% CI]", f"Δ vs {res['compare_to']} (pts) [95% CI]" if res["compare_to"]
-            else "Δ", "real transitions (online)", "synthetic transitions", "updates", "Mexp reward acc", "Mexp ΔR",
-            "wall s"]
-    lines = [f"# {res['experiment']}", "", res["about"], "", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
-    for r in res["regimes"]:
-        diff = _diff(r, res["compare_to"])
-        acc = _pct(r["mexp_reward_accuracy"]) + (" (below threshold)" if r["mexp_below_threshold"] else "")
-        if r.get("mexp_reward_recall") is not None:  # runs from before recall was measured have none
-            acc += f"; recall {_pct(r['mexp_reward_recall'])}, precision {_pct(r.get('mexp_reward_precision'))}"
-        dr = "–" if r["mexp_delta_r"] is None else f"{r['mexp_delta_r']:.3f}"
-        lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]{_runs(r)} "
-                     f"| {diff} | {r['real_transitions']} | {r['synthetic_transitions']} | {r['updates']} | {acc} "
-                     f"| {dr} | {r['wall_seconds'] or 0:.0f} |")
-    for r in res["regimes"]:
-        for b in r.get("between_phases", []):
-            g = b["gain_after"]
-            lines += ["", f"{r['regime']} after its phase \"{b['after']}\": {_pct(b['success_rate'])} % on "
-                          f"{b['episodes']} episodes; the phases after it added {100 * g['diff']:+.1f} pts "
-                          f"[{100 * g['ci_low']:+.1f}, {100 * g['ci_high']:+.1f}] (paired, same tasks)."]
-    if res.get("anchors"):
-        lines += ["", "Scripted choosers on the same held-out games: " + ", ".join(
-            f"{p} {_pct(a['success_rate'])} [{_pct(a['ci_low'])}, {_pct(a['ci_high'])}]"
-            for p, a in res["anchors"].items()) + "."]
-    if res.get("table_regimes_run"):
-        lines += ["", wall_time(res)]
-    if res["missing"]:
-        lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
-    lines += claims.markdown_lines(res.get("claims", []))
-    lines += ["", f"{res['regimes'][0]['episodes'] if res['regimes'] else 0} held-out episodes per regime; "
-                  "the paired Δ resamples tasks (bootstrap, 10,000 draws). A regime trained more than once "
-                  "(--repeats) shows the mean of its runs, each run's success after it, and intervals that "
-                  "resample its runs as well as the tasks; its costs are its first run's."]
-    return "\n".join(lines) + "\n"
-
-
-def plot(res: dict, path: Path) -> Path:
-    """Held-out success against online real transitions used, with Wilson intervals."""
-    import matplotlib  # heavy, and only the end of an experiment draws
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): no display
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in res["regimes"]:
-        x, y = r["real_transitions"], r["success_rate"]
-        ax.errorbar([x], [y], yerr=[[y - r["ci_low"]], [r["ci_high"] - y]], fmt="o", capsize=4, label=r["regime"])
-        ax.annotate(r["regime"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
-    for p, a in res.get("anchors", {}).items():
-        ax.axhline(a["success_rate"], ls=":", lw=1, color="grey")
-        ax.annotate(f"{p} chooser", (0, a["success_rate"]), textcoords="offset points", xytext=(2, 2), fontsize=7,
-                    color="grey")
-    ax.set_xlabel("online real transitions used")
-    ax.set_ylabel("held-out real success")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{res['experiment']}: held-out success vs real transitions")
-    ax.legend(fontsize=6, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def write_results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str, dict] | None = None) -> dict:
     res = results(exp, summaries, anchors)
     out = run_dir(exp)
@@ -470,24 +303,6 @@ def write_results(exp: Experiment, summaries: dict[str, list[dict]], anchors: di
     if res["regimes"]:
         plot(res, out / "success_vs_real.png")
     return res
-
-
-def print_table(res: dict, console: Console) -> None:
-    t = Table(title=f"dreamgym experiment {res['experiment']}: held-out real success")
-    for col in ("regime", "success", "95% CI", f"Δ vs {res['compare_to']}", "real tr.", "synthetic tr.", "wall s"):
-        t.add_column(col, justify="right")
-    for r in res["regimes"]:
-        diff = _diff(r, res["compare_to"])
-        name = r["regime"] + (f" ×{len(r['runs'])}" if len(r.get("runs", [])) > 1 else "")
-        t.add_row(name, f"{r['success_rate']:.3f}", f"[{r['ci_low']:.2f}, {r['ci_high']:.2f}]", diff,
-                  str(r["real_transitions"]), str(r["synthetic_transitions"]), f"{r['wall_seconds'] or 0:.0f}")
-    console.print(t)
-    if res.get("table_regimes_run"):
-        console.print(wall_time(res), highlight=False)
-    for c in res.get("claims", []):
-        colour = {claims.MET: "green", claims.NOT_MET: "red"}.get(c["status"], "dim")
-        console.print(f"[{colour}]{c['target']}. {c['status']}[/]: {escape(c['claim'])}. {escape(c['detail'])}.",
-                      highlight=False)
 
 
 def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[str]) -> dict:

@@ -1,0 +1,121 @@
+"""The experiment's results table (infra/run/results_table.py) on fabricated runs, as `dreamgym train` leaves them:
+the share of each DreamGym row's synthetic steps that Mexp answered, and held-out success by slice (families
+seen in training, never seen, longer than training: infra/run/generalisation.py). No model, no game."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from infra.run import generalisation
+from infra.run.experiment import load_experiment, markdown, results
+from infra.run.generalisation import LONG, SEEN, UNSEEN
+from infra.run.report import training_tasks
+from infra.schema import Task
+
+# Held-out games: 8 of the trained family (plans of 2-3 steps), 4 of a family never trained on with plans as
+# long as training's, 4 of it with longer plans. Training: family custom, plans of at most 3 steps.
+HELD = [("custom", 2 + i % 2) for i in range(8)] + [("custom-3", 3)] * 4 + [("custom-3", 5)] * 4
+TRAINING = {"tasks": 64, "families": ["custom"], "plan_length_max": 3}
+
+
+def summary(wins: list[int], phases: list[dict] | None = None, held: list = HELD, training: dict | None = TRAINING
+            ) -> dict:
+    per_task = [{"task_id": f"g{i}", "success": bool(w), "family": fam, "plan_length": plan}
+                for i, (w, (fam, plan)) in enumerate(zip(wins, held))]
+    out = {"heldout_after": {"success_rate": sum(wins) / len(wins), "episodes": len(wins), "successes": sum(wins),
+                             "per_task": per_task}, "phases": phases or []}
+    return {**out, "training_tasks": training} if training else out
+
+
+def experiment(tmp_path, regimes: dict):
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(yaml.safe_dump({"compare_to": "sft", "regimes": regimes}))
+    return load_experiment(spec)
+
+
+def cells(md: str, regime: str, header_start: str) -> dict[str, str]:
+    """The cells of `regime`'s line in the markdown table whose header starts with `header_start`."""
+    lines = md.splitlines()
+    top = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    head = [c.strip() for c in lines[top].strip("|").split("|")]
+    for line in lines[top + 2:]:
+        if not line.startswith("|"):
+            break
+        row = [c.strip() for c in line.strip("|").split("|")]
+        if row[0] == regime:
+            return dict(zip(head, row))
+    raise AssertionError(f"no line for {regime}")
+
+
+def test_every_dreamgym_row_reports_the_share_of_its_steps_mexp_answered(tmp_path):
+    exp = experiment(tmp_path, {"sft": {"overrides": ["learner.total_updates=0"]}, "dg": {}, "dg2": {},
+                                "s2r": {"continues": "dg", "overrides": ["learner.s2r_real_transitions=9"]}})
+    dreamgym = {"phase": "DreamGym", "mexp_steps": {"simulated": 102, "replayed": 261, "memo_hits": 40}}
+    second = {"phase": "DreamGym", "mexp_steps": {"simulated": 399, "replayed": 436, "memo_hits": 0}}
+    wins = [1] * 8 + [0] * 8
+    res = results(exp, {"sft": [summary(wins)], "dg": [summary(wins, [dreamgym])],
+                        "dg2": [summary(wins, [dreamgym]), summary(wins, [second])],  # two runs: summed
+                        # sim-to-real's summary holds its own (real) phase only: the DreamGym phase is its source's
+                        "s2r": [summary(wins, [{"phase": "DreamGym", "earlier_segment": True},
+                                               {"phase": "real env"}])]})
+    rows = {r["regime"]: r for r in res["regimes"]}
+    assert rows["dg"]["mexp_answered"] == {"simulated": 102, "replayed": 261, "share": pytest.approx(102 / 363)}
+    assert rows["dg2"]["mexp_answered"]["share"] == pytest.approx((102 + 399) / (363 + 835))
+    assert rows["s2r"]["mexp_answered"]["carried_from_source"] and rows["sft"]["mexp_answered"] is None
+    md = markdown(res)
+    column = "Mexp answered % of synthetic steps"
+    assert cells(md, "dg", "| regime |")[column] == "28.1 (102 of 363)"
+    assert cells(md, "dg2", "| regime |")[column] == f"{100 * 501 / 1198:.1f} (501 of 1198)"
+    assert cells(md, "s2r", "| regime |")[column] == "28.1 (102 of 363) (its DreamGym phase)"
+    assert cells(md, "sft", "| regime |")[column] == "–"
+
+
+def test_held_out_success_is_reported_by_slice_with_its_difference(tmp_path):
+    exp = experiment(tmp_path, {"sft": {"overrides": ["learner.total_updates=0"]}, "rl": {}})
+    sft = [1, 0] * 4 + [1] * 8  # half the trained family, every game of the unseen one
+    rl = [[1] * 8 + [0] * 8, [1] * 8 + [1, 0] * 4]  # two runs: all of the trained family, little elsewhere
+    res = results(exp, {"sft": [summary(sft)], "rl": [summary(w) for w in rl]})
+    by = {r["regime"]: r["slices"] for r in res["regimes"]}
+    # slow and obvious: each slice's mean over the runs and its tasks, minus the baseline's on the same tasks
+    slices = {SEEN: range(0, 8), UNSEEN: range(8, 16), LONG: range(12, 16)}
+    for name, idx in slices.items():
+        mean_rl = sum(sum(w[i] for i in idx) / len(idx) for w in rl) / len(rl)
+        mean_sft = sum(sft[i] for i in idx) / len(idx)
+        got = by["rl"][name]
+        assert got["tasks"] == len(idx) and got["success_rate"] == pytest.approx(mean_rl)
+        assert got["diff"] == pytest.approx(mean_rl - mean_sft) and got["diff_ci_low"] <= got["diff"] <= got["diff_ci_high"]
+        assert by["sft"][name]["success_rate"] == pytest.approx(mean_sft) and "diff" not in by["sft"][name]
+    assert by["rl"][SEEN]["diff"] == pytest.approx(0.5) and by["rl"][UNSEEN]["diff"] == pytest.approx(-0.75)
+    md = markdown(res)
+    row = cells(md, "rl", "| regime | families seen in training")
+    assert row["families seen in training % [95% CI] (tasks)"].startswith("100.0 [") and \
+        row["families seen in training % [95% CI] (tasks)"].endswith("(8)")
+    assert "longer than training (plan > 3 steps) %" in md
+    # a gain on the training family that came with losses elsewhere is said in words
+    assert ("rl gains +50.0 pts on families seen in training but loses on families never seen -75.0 and longer "
+            "than training -75.0") in md
+    assert "sft gains" not in md
+
+
+def test_a_slice_a_run_did_not_record_says_so():
+    old = summary([1] * 16, training=None)  # a run from before the slices: no training tasks recorded
+    assert generalisation.slices([old]) == {SEEN: None, UNSEEN: None, LONG: None}
+    no_plans = summary([1] * 16, held=[(fam, None) for fam, _ in HELD])  # a family whose tasks record no plan
+    s = generalisation.slices([no_plans])
+    assert s[LONG] is None and s[SEEN]["tasks"] == 8 and s[UNSEEN]["tasks"] == 8
+    every_seen = summary([1] * 16, training={**TRAINING, "families": ["custom", "custom-3"], "plan_length_max": 9})
+    s = generalisation.slices([every_seen])
+    assert s[UNSEEN] == {"tasks": 0} and s[LONG] == {"tasks": 0} and s[SEEN]["success_rate"] == 1.0
+    lines = "\n".join(generalisation.markdown_lines([{"regime": "old", "slices": generalisation.slices([old])},
+                                                     {"regime": "every", "slices": s}], "sft"))
+    assert "| old | not recorded | – | not recorded | – | not recorded | – |" in lines
+    assert "| every | 100.0 [100.0, 100.0] (16) | – | no task | – | no task | – |" in lines
+
+
+def test_a_runs_training_tasks_are_summed_up_for_the_slices():
+    tasks = [Task("a", "x", family="custom", meta={"plan_length": 2}),
+             Task("b", "x", family="custom-2", meta={"plan_length": 4})]
+    assert training_tasks(tasks) == {"tasks": 2, "families": ["custom", "custom-2"], "plan_length_max": 4}
+    tasks.append(Task("c", "x", family="miniwob/click"))  # one task without a recorded plan: no horizon
+    assert training_tasks(tasks)["plan_length_max"] is None
