@@ -242,6 +242,10 @@ async def test_sim_to_real_switches_phase_and_counts_real_transitions_exactly(re
     real = summary["phases"][1]
     assert real["real_transitions"] == 7 and real["transition_budget_spent"]  # exactly the budget
     assert summary["transitions"]["online_real"] == 7 and summary["phases"][0]["real_transitions"] == 0
+    # the share of the real phase's transitions that reached an update (issue 64): counted, never above the budget
+    assert summary["s2r_real_transitions"] == 7 and summary["s2r_real_transitions_trained"] == \
+        real["real_transitions_trained"] <= 7
+    assert summary["s2r_trained_share"] == round(real["real_transitions_trained"] / 7, 4)
     assert summary["transitions"]["offline_real"] > 0
     # greedy Mexp: the rejected replies' retries (and the group's repeats) come from the reply memo
     assert summary["phases"][0]["mexp_steps"]["memo_hits"] > 0 and "mexp_steps" not in real

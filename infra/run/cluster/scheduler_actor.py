@@ -69,6 +69,10 @@ class SchedulerActor:
         """Hand out only tasks with a real counterpart (a real-environment phase)."""
         (await self._ready()).real_only = real_only
 
+    async def set_real_selection(self, rule: str) -> None:
+        """How a real phase picks its tasks (learner.s2r_selection in sim-to-real, else 'curriculum')."""
+        (await self._ready()).real_selection = rule
+
     async def stop(self) -> None:
         self._stop.set()
 
@@ -122,6 +126,7 @@ class CurriculumHandle:
     def __init__(self, actor: Any):
         self.actor = actor
         self._real_only = False
+        self._real_selection = "curriculum"
 
     @property
     def real_only(self) -> bool:
@@ -131,6 +136,15 @@ class CurriculumHandle:
     def real_only(self, value: bool) -> None:
         ray.get(self.actor.set_real_only.remote(bool(value)))
         self._real_only = bool(value)
+
+    @property
+    def real_selection(self) -> str:
+        return self._real_selection
+
+    @real_selection.setter
+    def real_selection(self, rule: str) -> None:
+        ray.get(self.actor.set_real_selection.remote(str(rule)))
+        self._real_selection = str(rule)
 
     async def run(self, stop_event: asyncio.Event) -> None:
         """Keep the task stream topped up (in the actor) until stop_event; an actor failure raises here."""
