@@ -136,12 +136,12 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
             await learner.finish()
         after = await heldout_eval(cfg, svc, splits.heldout, "after", console) if evaluate else None
         record_success_gap(history.rows[-1].get("success_rate") if history.rows else None, after)
-        summary.update(s2r_share(phases))
 
         summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
                                  offline, fidelity, await run_counts(svc.client, svc.prefix), splits.train)
         if placement := svc.placements():  # actors.runtime=ray: the node each actor ran on
             summary["placement"] = placement
+        summary.update(s2r_share(phases))
         return report.write_report(svc.run_dir, summary, history, console)
 
 
@@ -183,6 +183,11 @@ def rl_plan(cfg: Config) -> list[tuple[Config, str, int]]:
     if lc.s2r_real_transitions and cfg.actors.env_kind == "synthetic":
         real = dataclasses.replace(cfg, actors=dataclasses.replace(
             cfg.actors, env_kind="real", real_transitions=lc.s2r_real_transitions,
+            temperature=lc.s2r_temperature or cfg.actors.temperature))
+        plan.append((real, S2R_PHASE, lc.total_updates + (lc.s2r_max_updates or 1_000_000)))
+    return plan
+
+
 S2R_PHASE = "sim-to-real: real env"
 
 
@@ -201,11 +206,6 @@ def s2r_share(phases: list[dict]) -> dict:
             "s2r_trained_share": round(trained / used, 4) if trained is not None and used else None}
 
 
-            temperature=lc.s2r_temperature or cfg.actors.temperature))
-        plan.append((real, S2R_PHASE, lc.total_updates + (lc.s2r_max_updates or 1_000_000)))
-    return plan
-
-
 async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: CurriculumScheduler,
                    history: report.RunHistory, label: str, until: int, console: Any,
                    probe: FidelityProbe | None = None) -> dict:
@@ -222,19 +222,19 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
         # the real transitions it used are on the run's Redis counter, which outlives the killed segment
         return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": 0,
                 "real_transitions": await real.used() if real is not None else 0,
-    curriculum.real_selection = cfg.learner.s2r_selection if label == S2R_PHASE else "curriculum"
-    trained_steps = [0]  # the trainable steps of the trajectories this phase's updates used (real: real transitions)
                 "synthetic_transitions": 0, "trajectories_pushed": 0, "trajectories_set_aside": {},
                 "trajectories_waiting": 0, "transition_budget_spent": real is not None and await real.spent(),
                 "seconds": 0.0, "earlier_segment": True}
     counts0, aside0, mexp0 = await run_counts(svc.client, svc.prefix), learner.set_aside, metrics.mexp_steps()
     curriculum.real_only = real is not None
-            trained_steps[0] += s.steps
+    curriculum.real_selection = cfg.learner.s2r_selection if label == S2R_PHASE else "curriculum"
+    trained_steps = [0]  # the trainable steps of the trajectories this phase's updates used (real: real transitions)
     learner.env_kind = cfg.actors.env_kind  # sim-to-real: the DreamGym phase's leftovers are set aside, not trained
     stop = budget(cfg.infra.train_budget_s)
     with report.training_progress(console, cfg, learner, history, label, until) as record:
         def on_update(s: Any) -> None:
             record(s)
+            trained_steps[0] += s.steps
             if probe is not None:
                 probe.after_update(learner.updates, learner.version)
 
@@ -249,12 +249,12 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
                 watch.cancel()
     spent = real is not None and await real.spent()
     if stop.is_set() and not spent and learner.updates < until:
-            "real_transitions_trained": trained_steps[0] if real is not None else 0,
         console.print(f"[yellow]{label}: train budget of {cfg.infra.train_budget_s:.0f} s spent after "
                       f"{learner.updates} updates[/]")
     counts = await run_counts(svc.client, svc.prefix)
     return {"phase": label, "env_kind": cfg.actors.env_kind, "updates": learner.updates - updates0,
             "real_transitions": await real.used() if real is not None else 0,
+            "real_transitions_trained": trained_steps[0] if real is not None else 0,
             "synthetic_transitions": counts["synthetic_steps_pushed"] - counts0["synthetic_steps_pushed"],
             "trajectories_pushed": counts["trajectories_pushed"] - counts0["trajectories_pushed"],
             # where the pushed ones went: set aside by the learner (by outcome), or still held for an update
