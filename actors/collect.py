@@ -37,7 +37,7 @@ from actors.envs.expert import make_chooser
 from actors.envs.miniwob_env import browsers_that_fit
 from actors.envs.registry import load_or_make_splits, make_env
 from actors.episode import run_episode
-from infra.config import add_config_arguments, config_from_args
+from infra.config import ConfigError, add_config_arguments, config_from_args
 from infra.schema import Task, Trajectory, decode_as, encode, from_fields
 
 log = logging.getLogger(__name__)
@@ -87,12 +87,20 @@ def collect(family: str, tasks: list[Task], policies: list[str], episodes: int, 
     return [t for i in sorted(results) for t in results[i] if t.steps]
 
 
+def _openai_client_class() -> Any:
+    """openai.AsyncOpenAI, or a ConfigError saying how to install it (checked before collecting, too)."""
+    try:
+        from openai import AsyncOpenAI  # optional: only a teacher endpoint needs it (the `teacher` extra)
+    except ImportError as exc:
+        raise ConfigError("data.teacher_endpoint is set, which needs the openai client: "
+                          "pip install 'dreamgym[teacher]' (or leave data.teacher_endpoint empty)") from exc
+    return AsyncOpenAI
+
+
 async def _teacher_rationales(trajs: list[Trajectory], endpoint: str, model: str, concurrency: int = 4,
                               timeout_s: float = 300.0) -> tuple[int, list[str]]:
     """Rewrite rationales with a teacher LLM; returns (steps it wrote, errors of the calls that failed)."""
-    from openai import AsyncOpenAI  # optional: only a teacher endpoint needs it (the `test` extra installs it)
-
-    client = AsyncOpenAI(base_url=endpoint, api_key="none", timeout=timeout_s, max_retries=1)
+    client = _openai_client_class()(base_url=endpoint, api_key="none", timeout=timeout_s, max_retries=1)
     sem = asyncio.Semaphore(concurrency)
     written = 0
     errors: list[str] = []
@@ -142,6 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if cfg.data.teacher_endpoint:
+        _openai_client_class()  # fail now, not after the collection
     data_dir = Path(args.out or cfg.infra.data_dir)
     console = Console()
     t0 = time.perf_counter()

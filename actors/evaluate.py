@@ -30,7 +30,7 @@ from actors.envs.expert import PerTaskChooser
 from actors.envs.registry import load_or_make_splits, make_env, tasks_from_spec
 from actors.episode import Chooser, run_episode
 from actors.policy import MAX_CHOICES, Policy
-from infra.config import add_config_arguments, config_from_args
+from infra.config import UsageError, add_config_arguments, config_from_args
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.engine.server import start_embedded_engine
@@ -141,7 +141,7 @@ async def _engine_chooser(args: argparse.Namespace, cfg: Any):
         url = handle.url
     else:
         if not args.endpoint:
-            raise SystemExit("--policy endpoint needs --endpoint URL")
+            raise UsageError("--policy endpoint needs --endpoint URL")
         url = args.endpoint
     client = EngineClient([url], role="policy")
     tokenizer = load_tokenizer(model)

@@ -3,22 +3,35 @@
 Owns argument parsing and dispatch only. Each subcommand lives in the module that
 owns its concept and exposes `add_arguments(parser)` and `run(args) -> int`; this
 file maps names to modules and imports a module only when its command runs, so
-`dreamgym --help` stays fast. Commands that take a config accept a YAML preset and
-`section.key=value` overrides (`dreamgym train configs/quickstart.yaml learner.lr=1e-5`).
+`dreamgym --help` stays fast. A command whose module imports torch or Ray declares
+its arguments in a light module of its own (ARGUMENTS), so its `--help` and its usage
+errors import neither; the long help is the module's docstring, read from its source.
+Commands that take a config accept a preset (a shipped name such as `quickstart`, a
+YAML file or a run directory) and `section.key=value` overrides
+(`dreamgym train quickstart learner.lr=1e-5`); `dreamgym config --describe` lists
+every setting.
+
+Conventions: `-v/--verbose` and `-q/--quiet` go before or after the command; a usage
+error (an unknown option, arguments that do not fit together: UsageError) prints the
+usage and one error line and exits 2, as does a config error; an unreachable service
+exits 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import logging
 import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from rich.console import Console
 from rich.logging import RichHandler
 
-from infra.config import ConfigError
+from infra.config import ConfigError, UsageError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -27,6 +40,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("infra.run.driver", "Run the whole loop: data, Mexp, GRPO/PPO in DreamGym, held-out real evaluation."),
     "experiment": ("infra.run.experiment", "Run the paper's regimes (base, SFT, real RL, DreamGym, S2R, ablations) and compare them on held-out real tasks."),
+    "config": ("infra.config_doc", "Print the resolved config of a preset and overrides (YAML); --describe documents every setting."),
     "status": ("infra.run.status", "Report Redis reachability, stream lengths, pending entries and dead letters."),
     "serve": ("infra.engine.server", "Serve a model with the embedded engine (SGLang's HTTP API on CPU)."),
     "generate": ("infra.engine.generate", "Send one generation request to any SGLang-compatible endpoint."),
@@ -42,27 +56,75 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("infra.run.report", "Regenerate a finished run's PNG plots and markdown summary (optionally from Prometheus)."),
 }
 
+# Commands whose arguments live in a lighter module than the one that runs them. Such a
+# module has `add_arguments(parser)` and may have `check(args)` (raises UsageError).
+ARGUMENTS: dict[str, str] = {
+    "train": "infra.run.train_args",
+}
 
-def setup_logging(verbose: bool = False) -> None:
+SETTINGS_EPILOG = ("settings: `dreamgym config --describe` lists every one with its type, default and help "
+                   "(also docs/configuration.md); `dreamgym config PRESET [overrides]` prints the resolved config.")
+
+
+def dreamgym_version() -> str:
+    try:
+        return version("dreamgym")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
+def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
     # Logs go to stderr so that stdout carries only a command's result (tables, --json).
     handler = RichHandler(console=Console(stderr=True), rich_tracebacks=True, show_path=False)
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
-                        datefmt="%H:%M:%S", handlers=[handler])
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(name)s: %(message)s", datefmt="%H:%M:%S", handlers=[handler])
     for noisy in ("httpx", "urllib3", "filelock", "asyncio", "selenium", "transformers", "sentence_transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def add_logging_flags(parser: argparse.ArgumentParser, default: object = None) -> None:
+    """-v/-q on the top-level parser and on every command's (so both `dreamgym -v train` and
+    `dreamgym train -v` work); a command's own default is SUPPRESS so it never undoes the top-level one."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+    group.add_argument("-q", "--quiet", action="store_true", default=default, help="warnings and errors only")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dreamgym",
         description="DreamGym: train LLM agents with RL on synthesized experience.",
-        epilog="Run `dreamgym <command> --help` for a command's options; `dreamgym train --help` lists every setting.",
+        epilog="Run `dreamgym <command> --help` for a command's options; `dreamgym config --describe` lists every "
+               "setting.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"dreamgym {dreamgym_version()}")
+    add_logging_flags(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (_module, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text.replace("%", "%%"), add_help=False)
     return parser
+
+
+def module_doc(module_name: str) -> str:
+    """A module's docstring read from its source, without importing it (and its torch)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
+
+
+def command_parser(name: str) -> tuple[argparse.ArgumentParser, object]:
+    """The parser of one command and the module that declared its arguments."""
+    module_name, help_text = COMMANDS[name]
+    declares = importlib.import_module(ARGUMENTS.get(name, module_name))
+    p = argparse.ArgumentParser(prog=f"dreamgym {name}", description=(module_doc(module_name) or help_text).strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    declares.add_arguments(p)
+    add_logging_flags(p, default=argparse.SUPPRESS)
+    if any(a.dest == "overrides" for a in p._actions):  # a command that takes a config
+        p.epilog = SETTINGS_EPILOG
+    return p, declares
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,17 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     # Parse the command name first; only that command's module is imported.
     top, rest = parser.parse_known_args(argv)
     if not top.command:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")  # usage and one line, exit 2
         parser.print_help()
-        return 0 if not argv else 2
-    module_name, help_text = COMMANDS[top.command]
-    module = importlib.import_module(module_name)
-    sub = argparse.ArgumentParser(prog=f"dreamgym {top.command}", description=(module.__doc__ or help_text).strip(),
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    module.add_arguments(sub)
+        return 0
+    sub, declares = command_parser(top.command)
     args = sub.parse_intermixed_args(rest)  # overrides may come before or after --options
-    setup_logging(top.verbose)
+    verbose, quiet = top.verbose or getattr(args, "verbose", False), top.quiet or getattr(args, "quiet", False)
+    if verbose and quiet:
+        sub.error("-v/--verbose and -q/--quiet: choose one")
+    setup_logging(verbose, quiet)
     try:
+        if hasattr(declares, "check"):
+            declares.check(args)
+        module = importlib.import_module(COMMANDS[top.command][0])
         return int(module.run(args) or 0)
+    except UsageError as exc:
+        sub.print_usage(sys.stderr)
+        print(f"dreamgym {top.command}: error: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"dreamgym {top.command}: config error: {exc}", file=sys.stderr)
         return 2

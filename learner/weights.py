@@ -8,13 +8,18 @@ shared `root` (`infra.weights_dir`) the versions live in `<root>/<run name>/` an
 `<run_dir>/weights` is a link to it, so every path below works the same; the
 engines are given the resolved path. Versions are safetensors in `dtype`
 (`learner.publish_dtype`: the engines' precision by default).
-`resolve_model` turns a run directory into its latest published version, so any
-run's weights can be evaluated or served (`dreamgym eval --checkpoint runs/<name>`).
+`resolve_model` turns a run directory into the policy it evaluated, so any run's
+policy can be evaluated or served (`dreamgym eval --checkpoint runs/<name>`): its
+latest published version, or, for a run that published none (the base and SFT
+regimes, `learner.total_updates=0`), the policy it started from, which
+`record_start` names in `<run_dir>/policy.json` (the warm start sits in a cache under
+`infra.data_dir`, the base model is a name).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import shutil
@@ -25,6 +30,7 @@ from infra import metrics
 
 log = logging.getLogger(__name__)
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+START_POLICY = "policy.json"  # in a run directory: {"start": the model the run started from}
 
 
 class WeightSink(Protocol):
@@ -50,7 +56,8 @@ def published_versions(run_dir: str | Path) -> list[int]:
 
 def resolve_model(path: str | Path) -> str:
     """A model directory an engine can serve, from any of: a model name ('smollm2'), a Hugging Face
-    directory, a run directory (its latest published version) or a run's `weights/` directory."""
+    directory, a run directory (its latest published version, else the policy it started from and so
+    evaluated: its policy.json) or a run's `weights/` directory."""
     p = Path(path)
     if not p.exists():
         if "/" in str(path) or p.suffix:
@@ -60,10 +67,28 @@ def resolve_model(path: str | Path) -> str:
         return str(p)
     run_dir = p.parent if p.name == "weights" else p
     versions = published_versions(run_dir)
-    if not versions:
-        raise FileNotFoundError(f"{path}: neither a model directory (no config.json) nor a run with published "
-                                f"weights (no {weights_dir(run_dir)}/v<N>)")
-    return str(version_path(run_dir, versions[-1]))
+    if versions:
+        return str(version_path(run_dir, versions[-1]))
+    if (run_dir / START_POLICY).is_file():  # no update published: the run evaluated the policy it started from
+        start = str(json.loads((run_dir / START_POLICY).read_text())["start"])
+        if "/" in start and not Path(start).exists():
+            raise FileNotFoundError(f"{path}: published no weights, and the policy it started from and evaluated, "
+                                    f"{start}, is gone (a cache under infra.data_dir?)")
+        if Path(start).resolve() == run_dir.resolve():
+            raise FileNotFoundError(f"{path}: its {START_POLICY} names the run itself")
+        return resolve_model(start)
+    raise FileNotFoundError(f"{path}: neither a model directory (no config.json) nor a run with published "
+                            f"weights (no {weights_dir(run_dir)}/v<N>) or a {START_POLICY}")
+
+
+def record_start(run_dir: str | Path, model: str) -> Path:
+    """Name in `<run_dir>/policy.json` the policy a run starts from (a model name, or a directory made
+    absolute), so `resolve_model(run_dir)` finds it when the run publishes no weights."""
+    ref = str(Path(model).resolve()) if Path(model).exists() else model
+    out = Path(run_dir) / START_POLICY
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"start": ref}) + "\n")
+    return out
 
 
 def link_shared_dir(run_dir: Path, root: Path) -> Path:

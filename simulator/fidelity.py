@@ -49,7 +49,7 @@ from rich.table import Table
 
 from actors.envs.base import StateFormatError, validate_state
 from infra import metrics
-from infra.config import SimulatorConfig, add_config_arguments, config_from_args
+from infra.config import SimulatorConfig, UsageError, add_config_arguments, config_from_args
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.engine.server import start_embedded_engine
@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        raise UsageError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     ckpts = [c.strip() for c in (args.checkpoints or sim.checkpoint or "base").split(",") if c.strip()]
     trajs = load_offline(cfg.infra.data_dir, args.family)
     train_trajs, held_trajs = split_trajectories(trajs, sim.heldout_frac, cfg.infra.data_dir, args.family)

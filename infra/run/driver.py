@@ -53,17 +53,19 @@ from actors.evaluate import choice_policy_chooser, evaluate
 from actors.policy import Policy
 from infra import metrics
 from infra.budget import StepBudget, run_counts
-from infra.config import Config, add_config_arguments, config_from_args, rl_seed, settings_key
+from infra.config import Config, config_from_args, rl_seed, settings_key
 from infra.run import artifacts, report
 from infra.run.cluster.learner_actor import LearnerHandle
 from infra.run.monitoring import record_success_gap
 from infra.run.services import Services
+from infra.run.train_args import add_arguments, check  # noqa: F401 (add_arguments: the command's)
 from infra.run.workers import WorkerPool
 from infra.schema import encode
 from infra.streams import LEARNER_GROUP, StreamProducer, stream_backlog, tasks_stream, trajectories_stream
 from learner.fsdp import check_ranks
 from learner.learner import Learner
 from learner.precision import Precision
+from learner.weights import record_start
 from simulator.curriculum import CurriculumScheduler
 from simulator.embedder import Embedder
 from simulator.fidelity import FidelityProbe, export_fidelity, replay_heldout
@@ -71,20 +73,12 @@ from simulator.mexp_data import split_trajectories
 from simulator.task_variants import TaskVariantGenerator
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, default="configs/quickstart.yaml")
-    p.add_argument("--name", default="", help="run name: runs/<name>/ (default: quickstart__<algo>__<seed>__<time>)")
-    p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
-    p.add_argument("--sync", action="store_true", help="synchronous mode: roll out, then train (no overlap)")
-    p.add_argument("--no-eval", action="store_true", help="skip the held-out real evaluations")
-
-
 def run(args: argparse.Namespace) -> int:
+    """`dreamgym train`; its arguments are infra/run/train_args.py's (add_arguments, check)."""
+    check(args)
     cfg = config_from_args(args)
     if args.sync:
         cfg.learner.sync = True
-    if args.resume and not args.name:
-        raise SystemExit("--resume needs --name of the run to continue")
     name = args.name or f"quickstart__{cfg.learner.algo}__{cfg.infra.seed}__{time.strftime('%Y%m%d-%H%M%S')}"
     asyncio.run(train(cfg, name, resume=args.resume, evaluate=not args.no_eval))
     return 0
@@ -105,6 +99,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         if dreamgym or live_fidelity:
             mexp_model = artifacts.mexp_checkpoint(cfg, offline, console)
         policy_model = artifacts.policy_start(cfg, offline, console)
+        record_start(svc.run_dir, policy_model)  # what `--checkpoint runs/<name>` serves if no update is published
         await svc.start_engines(mexp_model, policy_model)
         await serve_built_models(cfg, svc, mexp_model, policy_model, console)
         learner, curriculum = await make_trainer(cfg, svc, policy_model, splits.train, resume) if plan else (None, None)

@@ -55,6 +55,7 @@ from rich.console import Console
 from infra.config import Config, ConfigError, dump, load_config
 from infra.run import claims
 from infra.run.fork import fork_run
+from infra import presets
 from infra.run.results_table import markdown, plot, print_table, results, row  # noqa: F401 (row: the tests')
 from infra.streams import run_prefix
 from learner import checkpoint
@@ -96,9 +97,10 @@ class Experiment:
 
 def load_experiment(path: str | Path) -> Experiment:
     """Read and validate an experiment file: every regime's config must load (so a typo fails now, not in hour 2)."""
-    p = Path(path)
+    p = presets.resolve(path, "experiment")
     if not p.exists():
-        raise ConfigError(f"experiment file {p} does not exist")
+        raise ConfigError(f"experiment file {p} does not exist (nor a shipped one: "
+                          f"{', '.join(presets.names('experiment'))})")
     try:
         doc = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:

@@ -1,0 +1,1 @@
+"""DreamGym's shipped presets, installed as package data (see infra/presets.py)."""
