@@ -52,10 +52,10 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
+from infra import presets
 from infra.config import Config, ConfigError, dump, load_config
 from infra.run import claims
 from infra.run.fork import fork_run
-from infra import presets
 from infra.run.results_table import markdown, plot, print_table, results, row  # noqa: F401 (row: the tests')
 from infra.streams import run_prefix
 from learner import checkpoint
@@ -367,7 +367,8 @@ def selected(exp: Experiment, only: list[str], everything: bool = False) -> list
 # --- the `dreamgym experiment` command ------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("experiment", help="experiment file, e.g. configs/experiments/textworld_cpu.yaml")
+    p.add_argument("experiment", help="a shipped experiment's name (textworld_cpu, miniwob_cpu, textworld_gpu) or an "
+                                   "experiment file, e.g. configs/experiments/textworld_cpu.yaml")
     p.add_argument("--only", default="", help="comma-separated regimes to run, extra ones included (default: every "
                                               "regime of the table, in file order)")
     p.add_argument("--all", action="store_true", help="run the extra regimes too (those marked `extra: true`)")
