@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import Config, ConfigError, describe, dump, load_config, redact_url
+from infra import presets
+from infra.config import Config, ConfigError, dump, load_config, redact_url
+from infra.config_doc import REGENERATE, describe, markdown
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -83,6 +85,77 @@ def test_every_setting_has_help():
     for line in text.splitlines():
         if line.startswith("      "):
             assert line.strip(), "a setting without help text"
+
+
+def test_describe_gives_type_default_check_and_help_by_section():
+    text = describe()
+    from infra.config import SECTIONS
+    assert [ln.split(":")[0] for ln in text.splitlines() if ln and not ln.startswith(" ")] == list(SECTIONS)
+    lr = text.splitlines().index("  learner.lr: float = 1e-05  [a number > 0]")
+    assert text.splitlines()[lr + 1].strip() == "AdamW learning rate."
+    assert "  infra.ray_runtime_env: str = 'auto'  [one of 'auto', 'off']" in text
+    assert describe(only="learner").splitlines()[0].startswith("learner: ") and "infra." not in describe(only="learner")
+    here = describe(load_config(None, ["learner.lr=3e-5", "simulator.qdrant_api_key=hunter2"]))
+    assert "learner.lr: float = 1e-05  (now: 3e-05)" in here and "hunter2" not in here  # secrets stay redacted
+
+
+def test_configuration_doc_is_generated_from_the_dataclasses():
+    """docs/configuration.md is `dreamgym config --markdown`: it fails here when a setting is added or changed
+    and the file was not regenerated."""
+    committed = (CONFIGS.parent / "docs" / "configuration.md").read_text()
+    assert committed == markdown(), f"docs/configuration.md is stale: run `{REGENERATE}`"
+    assert "| `learner.lr` | float | `1e-05` | a number > 0 | AdamW learning rate. |" in committed
+
+
+def test_every_setting_is_in_the_doc():
+    import dataclasses
+
+    from infra.config import SECTIONS
+    doc = markdown()
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f"| `{section}.{f.name}` |" in doc
+
+
+# ----- presets: found by name from any directory, a path still wins -----
+def test_a_preset_is_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert presets.resolve("quickstart") == CONFIGS / "quickstart.yaml"
+    assert presets.resolve("quickstart.yaml") == CONFIGS / "quickstart.yaml"
+    assert presets.resolve("textworld_cpu") == CONFIGS / "experiments" / "base" / "textworld_cpu.yaml"
+    assert presets.resolve("textworld_cpu", "experiment") == CONFIGS / "experiments" / "textworld_cpu.yaml"
+    # experiment files name their base as a repository path: found from elsewhere too
+    assert presets.resolve("configs/experiments/base/textworld_cpu.yaml") == \
+        CONFIGS / "experiments" / "base" / "textworld_cpu.yaml"
+    assert load_config("quickstart").to_dict() == load_config(CONFIGS / "quickstart.yaml").to_dict()
+    with pytest.raises(ConfigError, match="nor a shipped preset: cluster, quickstart"):
+        load_config("no_such_preset")
+
+
+def test_a_path_wins_over_a_shipped_preset_of_the_same_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quickstart.yaml").write_text("learner:\n  lr: 0.5\n")
+    assert load_config("quickstart.yaml").learner.lr == 0.5  # the user's own file
+    assert load_config("quickstart").learner.lr != 0.5  # a bare name is the shipped preset
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "quickstart.yaml").write_text("learner:\n  lr: 0.25\n")
+    assert load_config("configs/quickstart.yaml").learner.lr == 0.25
+
+
+def test_every_shipped_preset_is_package_data():
+    """pyproject.toml installs every YAML under configs/ with the package `configs` (so a wheel has them)."""
+    import fnmatch
+    import tomllib
+
+    project = tomllib.loads((CONFIGS.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "configs" in project["packages"]["find"]["include"] and (CONFIGS / "__init__.py").is_file()
+    globs = project["package-data"]["configs"]
+    shipped = [p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.y*ml")]
+    assert len(shipped) >= 7
+    for rel in shipped:
+        assert any(fnmatch.fnmatch(rel, g) and rel.count("/") == g.count("/") for g in globs), rel
+    assert set(presets.names()) >= {"quickstart", "cluster", "textworld_cpu"}
+    assert set(presets.names("experiment")) >= {"textworld_cpu", "miniwob_cpu"}
 
 
 # ----- the issue's probes: each is refused, and the error names the key -----
