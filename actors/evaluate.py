@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tasks:
         tasks = tasks_from_spec(args.family, args.tasks, cfg.data, seed=cfg.infra.seed)
     else:
-        splits = load_or_make_splits(args.family, cfg.data, cfg.infra.data_dir, seed=cfg.infra.seed)
+        splits = load_or_make_splits(args.family, cfg.data, cfg.infra.data_dir, seed=cfg.infra.seed,
+                                     need=(args.split, args.limit) if args.limit else None)
         tasks = splits.heldout if args.split == "heldout" else splits.train
     if args.limit:
         tasks = tasks[: args.limit]

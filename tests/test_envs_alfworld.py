@@ -255,3 +255,62 @@ def test_train_command_runs_on_alfworld(redis_url, tmp_path, tiny_dir):
     assert len(splits.train) == 2 and all(t.family == "alfworld/pick_and_place_simple" for t in splits.train)
     assert summary["transitions"]["offline_real"] > 0  # the real ALFWorld expert transitions it collected
     assert summary["transitions"]["online_real"] > 0 and summary["transitions"]["synthetic"] == 0
+
+
+# --- generating only what a command needs, with progress and a cache (issue 64) ---------
+
+def test_a_room_that_cannot_host_a_type_is_remembered_and_not_tried_again(tmp_path, monkeypatch):
+    games = tmp_path / "games"
+    assert ap.generate_game("pick_heat_then_place_in_recep", "FloorPlan301", 0, games) is None  # no microwave
+    marker = ap.unsolvable_marker(ap.game_path(games, "pick_heat_then_place_in_recep", "FloorPlan301", 0))
+    assert marker.exists() and ap.cached_game("pick_heat_then_place_in_recep", "FloorPlan301", 0, games) is False
+
+    def no_layout(scene):
+        raise AssertionError("the cache should have answered")
+
+    monkeypatch.setattr(ap, "load_layout", no_layout)
+    assert ap.generate_game("pick_heat_then_place_in_recep", "FloorPlan301", 0, games) is None
+    assert ap.cached_game("pick_heat_then_place_in_recep", "FloorPlan301", 1, games) is None  # never tried
+
+
+@pytest.mark.slow
+def test_only_the_problems_asked_for_are_made_then_read_back_from_the_cache(tmp_path, monkeypatch):
+    types = list(ap.TASK_TYPES)
+    games = tmp_path / "alfworld" / "games"
+    lines: list[str] = []
+    part = ap.make_alfworld_tasks(tmp_path, 24, 12, types, only=("heldout", 2), workers=2, progress=lines.append)
+    assert not part.train and len(part.heldout) == 2
+    # the same two tasks the whole held-out split starts with
+    slots = [s for s in ap.plan_games(24, 12, types) if s[0] == "heldout"][:2]
+    assert [(t.meta["task_type"], t.seed) for t in part.heldout] == [(s[1], s[3]) for s in slots]
+    made = sorted(games.glob("*" + ap.GAME_SUFFIX))
+    tried = sorted(games.glob("*" + ap.UNSOLVABLE_SUFFIX))
+    assert len(made) == 2 and len(tried) <= 2 * ap.MAX_ATTEMPTS  # 2 of the 36 the config describes
+    assert sum(": generated " in line for line in lines) == 2 and all("/2 (heldout" in line for line in lines[1:])
+
+    def no_planner(*_a, **_k):
+        raise AssertionError("a cached problem was planned again")
+
+    monkeypatch.setattr(ap, "solve", no_planner)
+    again: list[str] = []
+    back = ap.make_alfworld_tasks(tmp_path, 24, 12, types, only=("heldout", 2), workers=2, progress=again.append)
+    assert [t.task_id for t in back.heldout] == [t.task_id for t in part.heldout]
+    assert len(again) == 2 and all(": cached " in line for line in again)
+    assert [p.stat().st_mtime for p in made] == [p.stat().st_mtime for p in sorted(games.glob("*" + ap.GAME_SUFFIX))]
+    monkeypatch.undo()
+    more: list[str] = []
+    three = ap.make_alfworld_tasks(tmp_path, 24, 12, types, only=("heldout", 3), workers=2, progress=more.append)
+    assert three.heldout[:2] == back.heldout and sum(": generated " in line for line in more) == 1  # only the new one
+
+
+@pytest.mark.slow
+def test_eval_with_a_limit_makes_only_those_problems(tmp_path):
+    from infra.cli import main
+
+    out = tmp_path / "expert.json"
+    assert main(["eval", f"infra.data_dir={tmp_path / 'data'}", f"infra.run_dir={tmp_path / 'runs'}", "--family",
+                 "alfworld", "--policy", "expert", "--limit", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["episodes"] == 2 and report["success_rate"] == 1.0
+    assert len(list((tmp_path / "data" / "alfworld" / "games").glob("*" + ap.GAME_SUFFIX))) == 2
+    assert not splits_path(tmp_path / "data", "alfworld").exists()  # a part is never saved as the whole split

@@ -21,7 +21,17 @@ Owns the problem generator and the ALFWorld task splits:
 - `make_alfworld_tasks(...)`: train and held-out tasks. Held-out tasks use ALFRED's
   test floorplans (`constants.TEST_SCENE_NUMBERS`, 6 of 30 per room type: unseen
   rooms), train tasks only the others; `heldout_task_types` appear only in the
-  held-out split.
+  held-out split. `only=(split, n)` makes just the first n tasks of one split (what
+  `dreamgym eval --limit n` needs; they are the same n as in the whole split), and
+  every problem prints a line as it is made or read from the cache.
+
+The cache is keyed by a problem's parameters: the game file is named by (task type,
+floorplan, seed), and a (task type, floorplan, seed) whose placements the planner could
+not solve leaves an empty `.unsolvable` marker beside it, so a second run neither
+generates nor re-plans anything it made or tried before (a slot falls back to its next
+floorplan; each try costs up to 4 planner runs). Few problems to make (at most
+`SERIAL_UP_TO`) are made in this process: a spawned worker first spends seconds importing
+TextWorld and ALFWorld.
 
 Where this departs from ALFWorld: ALFWorld's 3 553 training games are ALFRED
 trajectories replayed in AI2-THOR (which places every object of the scene and needs
@@ -42,11 +52,12 @@ import multiprocessing as mp
 import os
 import random
 import re
-from concurrent.futures import ProcessPoolExecutor
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -65,6 +76,8 @@ LAMP_HOLDERS = ("Desk", "SideTable", "Dresser", "Shelf", "Nightstand")
 MAX_DISTRACTORS = 6  # distractor object types per problem (ALFRED scenes hold 20-40)
 MAX_ATTEMPTS = 12  # floorplans tried for one task slot before it is declared impossible
 GAME_SUFFIX = ".tw-pddl"
+UNSOLVABLE_SUFFIX = ".unsolvable"  # the marker of a (task type, floorplan, seed) that yields no solvable game
+SERIAL_UP_TO = 2  # problems to make at most for which no worker process is spawned
 _MANGLE = {"-": "_minus_", "|": "_bar_", "+": "_plus_", ".": "_dot_", ",": "_comma_"}
 _MANGLE_RE = re.compile("|".join(re.escape(k) for k in _MANGLE))
 
@@ -320,17 +333,32 @@ def game_path(games_dir: str | Path, task_type: str, scene: str, seed: int) -> P
     return Path(games_dir) / f"{task_type}-{scene}-s{seed}{GAME_SUFFIX}"
 
 
-def generate_game(task_type: str, scene: str, seed: int, games_dir: str | Path) -> Path | None:
-    """The solvable game of (task type, scene, seed), generated once then read from the cache; None if the room cannot host it."""
+def unsolvable_marker(game: Path) -> Path:
+    return game.with_name(game.name[: -len(GAME_SUFFIX)] + UNSOLVABLE_SUFFIX)
+
+
+def cached_game(task_type: str, scene: str, seed: int, games_dir: str | Path) -> Path | None | bool:
+    """What the cache knows of (task type, scene, seed): its game file, False when it was tried and
+    yields none, or None when it was never tried."""
     out = game_path(games_dir, task_type, scene, seed)
     if out.exists() and out.stat().st_size > 0:
         return out
+    return False if unsolvable_marker(out).exists() else None
+
+
+def generate_game(task_type: str, scene: str, seed: int, games_dir: str | Path) -> Path | None:
+    """The solvable game of (task type, scene, seed), generated once then read from the cache; None if the room
+    cannot host it (remembered by a marker file, so it is not tried again)."""
+    known = cached_game(task_type, scene, seed, games_dir)
+    if known is not None:
+        return known or None
+    out = game_path(games_dir, task_type, scene, seed)
     rng = random.Random(f"{task_type}/{scene}/{seed}")
     layout = load_layout(scene)
     for _ in range(4):  # a placement the planner cannot solve is re-drawn
         prob = sample_problem(layout, task_type, rng)
         if prob is None:
-            return None
+            break
         data = game_data(prob)
         plan = solve(data)
         if plan is not None:
@@ -340,6 +368,8 @@ def generate_game(task_type: str, scene: str, seed: int, games_dir: str | Path) 
             tmp.write_text(json.dumps(data))
             tmp.replace(out)  # a crash never leaves half a game
             return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    unsolvable_marker(out).touch()
     return None
 
 
@@ -401,15 +431,73 @@ def _make_slot(slot: tuple[str, str, list[str], int], games_dir: Path) -> Path:
     raise ProblemGenerationError(f"no floorplan of the {split} split hosts a solvable {ttype} problem (seed {s})")
 
 
+def cached_slot(slot: tuple[str, str, list[str], int], games_dir: Path) -> Path | None:
+    """The slot's game when the cache settles it without generating anything (the first floorplan not
+    marked unsolvable has its game on disk), else None."""
+    _split, ttype, scenes, s = slot
+    for scene in scenes[:MAX_ATTEMPTS]:
+        known = cached_game(ttype, scene, s, games_dir)
+        if known is None:
+            return None
+        if known:
+            return known
+    return None
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def make_games(plan: list[tuple[str, str, list[str], int]], games_dir: Path, workers: int = 2,
+               progress: Callable[[str], None] | None = _say) -> list[Path]:
+    """The game of every slot of `plan`, in order: read from the cache, or generated (here when at most
+    SERIAL_UP_TO are missing or `workers` is 1, else in `workers` processes), one progress line each."""
+    say = progress or (lambda _line: None)
+    paths: list[Path | None] = [cached_slot(slot, games_dir) for slot in plan]
+    missing = [i for i, p in enumerate(paths) if p is None]
+    n, done = len(plan), 0
+    for i, p in enumerate(paths):
+        if p is not None:
+            done += 1
+            say(f"alfworld: problem {done}/{n} ({plan[i][0]}, {plan[i][1]}, seed {plan[i][3]}): cached {p.name}")
+    if missing:
+        say(f"alfworld: generating {len(missing)} problem(s) in {games_dir} (0.5-7 s each on a 2-core CPU)")
+
+    def made(i: int, path: Path, seconds: float) -> None:
+        nonlocal done
+        paths[i], done = path, done + 1
+        say(f"alfworld: problem {done}/{n} ({plan[i][0]}, {plan[i][1]}, seed {plan[i][3]}): "
+            f"generated {path.name} in {seconds:.1f} s")
+
+    if len(missing) <= SERIAL_UP_TO or workers <= 1:
+        for i in missing:
+            t0 = time.perf_counter()
+            made(i, _make_slot(plan[i], games_dir), time.perf_counter() - t0)
+    else:
+        # Processes: TextWorld's grammar parser is not thread-safe, and the planner is CPU-bound.
+        t0 = time.perf_counter()
+        with ProcessPoolExecutor(max_workers=min(workers, len(missing)), mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(_make_slot, plan[i], games_dir): i for i in missing}
+            for f in as_completed(futures):
+                made(futures[f], f.result(), time.perf_counter() - t0)
+    return [p for p in paths if p is not None]
+
+
 def make_alfworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, task_types: list[str],
-                        heldout_task_types: list[str] | tuple[str, ...] = (), seed: int = 0, workers: int = 2):
-    """Generate (or load from the cache) games and split them into train and held-out tasks."""
+                        heldout_task_types: list[str] | tuple[str, ...] = (), seed: int = 0, workers: int = 2,
+                        only: tuple[str, int] | None = None, progress: Callable[[str], None] | None = _say):
+    """Generate (or load from the cache) games and split them into train and held-out tasks.
+
+    `only=(split, n)`: just the first n tasks of that split (the other split empty), the same
+    tasks the whole split starts with. `progress`: where the per-problem lines go (None: nowhere)."""
 
     plan = plan_games(n_train, n_heldout, task_types, heldout_task_types, seed)
-    games_dir = Path(data_dir) / "alfworld" / "games"
-    # Processes: TextWorld's grammar parser is not thread-safe, and the planner is CPU-bound.
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(plan) or 1)), mp_context=mp.get_context("spawn")) as pool:
-        paths = list(pool.map(partial(_make_slot, games_dir=games_dir), plan))
+    if only is not None:
+        split, n = only
+        if split not in ("train", "heldout"):
+            raise ValueError(f"only: split {split!r}; expected 'train' or 'heldout'")
+        plan = [slot for slot in plan if slot[0] == split][: max(0, n)]
+    paths = make_games(plan, Path(data_dir) / "alfworld" / "games", workers, progress)
     tasks = tasks_from_games(paths, [s for (_split, _t, _scenes, s) in plan])
     return TaskSplits(train=[t for t, p in zip(tasks, plan) if p[0] == "train"],
                       heldout=[t for t, p in zip(tasks, plan) if p[0] == "heldout"])

@@ -180,14 +180,24 @@ def action_grammar(family: str) -> Callable[[str, list[str]], list[str]] | None:
     return textworld_actions if kind == "textworld" else None
 
 
-def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: int = 0, rebuild: bool = False) -> TaskSplits:
+def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: int = 0, rebuild: bool = False,
+                        need: tuple[str, int] | None = None) -> TaskSplits:
     """Read `<data_dir>/<family>/splits.json`, or make and save it from the data config (also when the
-    file was made with other settings: its stamp's key differs)."""
+    file was made with other settings: its stamp's key differs).
+
+    `need=(split, n)`: the caller uses only the first n tasks of that split (`dreamgym eval --limit n`).
+    Where the splits are not made yet and making them is costly (ALFWorld's planner), only those n are
+    made, the same n the whole split starts with, and nothing is saved as the splits file."""
     kind = canonical_family(family)
     path = splits_path(data_dir, kind)
     settings = splits_settings(kind, data_cfg, seed)
     if not rebuild and stamp_matches(path, settings):
         return TaskSplits.load(path)
+    if need is not None and need[1] > 0 and kind == "alfworld":
+        return make_alfworld_tasks(data_dir, data_cfg.alfworld_games, data_cfg.alfworld_heldout,
+                                   list(data_cfg.alfworld_task_types), seed=seed,
+                                   heldout_task_types=list(data_cfg.alfworld_heldout_task_types),
+                                   workers=data_cfg.workers, only=need)
     if kind == "textworld":
         splits = make_textworld_tasks(data_dir, data_cfg.textworld_games, data_cfg.textworld_heldout,
                                       list(data_cfg.textworld_families), seed=seed,
