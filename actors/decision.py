@@ -16,7 +16,7 @@ from typing import Sequence
 
 
 class PolicyError(RuntimeError):
-    """The engine's answer cannot be turned into a choice (no label log-probs returned)."""
+    """The engine's answer cannot be turned into a choice (no label log-probs, no log-prob per sampled id)."""
 
 
 @dataclass
@@ -33,6 +33,17 @@ class PolicyDecision:
     probs: list[float] = field(default_factory=list)  # the renormalised distribution (diagnostics)
     choice_lengths: list[int] = field(default_factory=list)  # score mode: candidate lengths in choice_token_ids
     messages: list[dict] = field(default_factory=list)  # multi-turn: the chat so far (the next turn extends it)
+    # generate mode (actors/generate_mode.py): `action_token_ids` are the ids the engine sampled,
+    # `logprobs` one per id, `index` -1 when the action is no candidate (free text, or invalid).
+    prompt_token_ids: list[int] = field(default_factory=list)  # ids this turn appended to the chat before the reply
+    new_chat: bool = False  # prompt_token_ids open a fresh chat (first turn, or past actors.chat_max_chars)
+    reply: str = ""  # the text the policy wrote (decoded from action_token_ids)
+    invalid_reason: str = ""  # "" or actors.reply.INVALID_REASONS: the step leaves the environment unchanged
+    finish_reason: str = ""  # the engine's: "stop" (EOS or "</action>") or "length"
+    chat_ids: list[int] = field(default_factory=list)  # the whole chat so far, this reply included (next turn appends)
+    chat_text: str = ""  # its text (for the chat's length bound and diagnostics)
+    free_text: str = ""  # an unmatched action an environment that takes free text may get (actors.free_text_actions)
+    format_penalty: float = 0.0  # subtracted from the reward of the step when the reply is invalid
 
 
 def renormalise(label_logps: Sequence[float], temperature: float = 1.0) -> list[float]:

@@ -26,7 +26,14 @@ its rules, so the three never disagree on what an episode was:
 - each Step records the environment's account of the change (`info["reasoning"]` from
   Mexp, `info["rationale"]` from a real env) and its source; a Step's `done` is what
   the environment said. The trajectory's policy version is the oldest that acted in it
-  (it bounds staleness).
+  (it bounds staleness);
+- an invalid reply (a generate-mode decision with `invalid_reason`: cut off, no
+  `<action>`, not a candidate; actors/reply.py) never reaches the environment: the Step
+  records it with `valid` false, the reason, reward `-format_penalty`, the same state as
+  next state, and it counts toward `max_steps` (not toward a real-transition budget).
+  The next turn tells the policy why. An unmatched action with `free_text` goes to an
+  environment whose `accepts_free_text` is true as written (its own rules decide).
+  Invalid replies are counted in `policy_invalid_replies_total{reason}`.
 
 The environment's lifetime is the caller's: the loop neither opens nor closes it.
 Departure from the paper: none; the paper does not describe its episode loop.
@@ -35,6 +42,7 @@ Departure from the paper: none; the paper does not describe its episode loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Protocol, Sequence
@@ -69,18 +77,33 @@ def outcome(res: StepResult) -> Status:
     return Status.TRUNCATED if res.info.get("truncated") else Status.FAILURE
 
 
-def record(state: str, action: str, res: StepResult, choice: Any, default_source: str) -> Step:
-    """The Step for one transition; a decision's prompt, label tokens and log-probs go with it."""
+def record(state: str, action: str, res: StepResult, choice: Any, default_source: str,
+           invalid_reason: str = "") -> Step:
+    """The Step for one transition (or one invalid reply: `invalid_reason`); a decision's prompt, tokens
+    and log-probs go with it, and in generate mode its prompt ids, chat start and reply text."""
     info = res.info
     ids = list(getattr(choice, "action_token_ids", []))
     lengths = list(getattr(choice, "choice_lengths", []))  # score mode: one log-prob and mask value per choice
     return Step(state=state, action=action, reward=float(res.reward), done=bool(res.done), next_state=res.state,
                 reasoning=str(info.get("reasoning") or info.get("rationale") or ""),
                 reasoning_source=str(info.get("reasoning_source") or default_source),
-                valid=bool(info.get("valid", True)), policy_prompt=str(getattr(choice, "prompt", "")),
+                valid=bool(info.get("valid", True)) and not invalid_reason,
+                policy_prompt=str(getattr(choice, "prompt", "")),
                 action_token_ids=ids, logprobs=[float(x) for x in getattr(choice, "logprobs", [])],
                 loss_mask=[1] * (1 if lengths and ids else len(ids)),
-                choice_token_ids=list(getattr(choice, "choice_token_ids", [])), choice_lengths=lengths)
+                choice_token_ids=list(getattr(choice, "choice_token_ids", [])), choice_lengths=lengths,
+                prompt_token_ids=[int(t) for t in getattr(choice, "prompt_token_ids", None) or []],
+                new_chat=bool(getattr(choice, "new_chat", False)), reply=str(getattr(choice, "reply", "") or ""),
+                invalid_reason=invalid_reason)
+
+
+def invalid_reply(choice: Any, env: Any) -> str:
+    """Why a decision's reply names no action the environment takes ("" = it does): its
+    `invalid_reason`, unless it carries `free_text` and the environment `accepts_free_text`."""
+    reason = "" if isinstance(choice, str) else str(getattr(choice, "invalid_reason", "") or "")
+    if reason and getattr(choice, "free_text", "") and getattr(env, "accepts_free_text", False):
+        return ""
+    return reason
 
 
 async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: int, *,
@@ -115,9 +138,22 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
             choice = await (choose(task, state, candidates, history, info=info) if wants_info
                             else choose(task, state, candidates, history))
             action = choice if isinstance(choice, str) else choice.action
+            reason = invalid_reply(choice, env)
+            if not reason and not isinstance(choice, str) and getattr(choice, "invalid_reason", ""):
+                # free text, as written, to an environment that takes it; the next turn reads it as a valid action
+                action = str(choice.free_text)
+                choice = dataclasses.replace(choice, action=action, invalid_reason="", format_penalty=0.0)
             if not isinstance(choice, str):
                 versions.append(int(choice.weight_version))
             in_env, t_policy, t = True, t_policy + time.monotonic() - t, time.monotonic()
+            if reason:  # the environment is not asked: same state, the policy hears why next turn
+                metrics.POLICY_INVALID_REPLIES.labels(reason).inc()
+                penalty = float(getattr(choice, "format_penalty", 0.0) or 0.0)
+                traj.steps.append(record(state, str(action or ""), StepResult(state, -penalty if penalty else 0.0,
+                                                                              False, {}), choice,
+                                         source, invalid_reason=reason))
+                history.append(choice)
+                continue
             if budget is not None and not await budget.take():
                 traj.status = Status.TRUNCATED  # the run's real-transition budget is spent
                 break

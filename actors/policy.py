@@ -30,6 +30,7 @@ import random
 from typing import Any, Protocol, Sequence
 
 from actors.decision import PolicyDecision, PolicyError, pick, renormalise
+from actors.generate_mode import GenerateMode
 from actors.label_mode import (LABELS, MAX_CHAT_CHARS, MAX_CHOICES, SYSTEM_PROMPT, ChoicePrompt, LabelMode,
                                build_choice_prompt, choice_turn, label_token_ids)
 from actors.score_mode import SCORE_SYSTEM_PROMPT, ScoreMode, ScorePrompt, score_turn, split_choices
@@ -44,7 +45,7 @@ __all__ = ["ACTION_MODES", "LABELS", "MAX_CHAT_CHARS", "MAX_CHOICES", "PROMPT_FO
 # mode when multi-turn; the per-step prompt is unchanged, so its caches stay valid). 2: score mode
 # scores a web action with its element's text (TextWorld's command candidates read as before).
 PROMPT_FORMAT = 2
-ACTION_MODES = ("label", "score")
+ACTION_MODES = ("label", "score", "generate")
 
 
 class ActionMode(Protocol):
@@ -61,17 +62,23 @@ class Policy:
 
     def __init__(self, client: Any, tokenizer: Any, temperature: float = 1.0, seed: int | None = None,
                  history_window: int = 3, multi_turn: bool = False, max_chat_chars: int = MAX_CHAT_CHARS,
-                 action_mode: str = "label"):
+                 action_mode: str = "label", max_reply_tokens: int = 64, think: bool = True,
+                 format_penalty: float = 0.0, free_text_actions: bool = False):
         if action_mode not in ACTION_MODES:
             raise ValueError(f"action_mode must be one of {ACTION_MODES}, got {action_mode!r}")
         if action_mode == "score" and multi_turn:
             raise ValueError("action_mode 'score' uses per-step prompts (multi_turn false)")
+        if action_mode == "generate" and not multi_turn:
+            raise ValueError("action_mode 'generate' plays an episode as one chat (multi_turn true)")
         self.client, self.tokenizer = client, tokenizer
         self.action_mode = action_mode
         self.temperature = temperature
         self.rng = random.Random(seed)
         if action_mode == "score":
             self.mode: ActionMode = ScoreMode(client, tokenizer, temperature, self.rng, history_window)
+        elif action_mode == "generate":
+            self.mode = GenerateMode(client, tokenizer, temperature, self.rng, history_window, max_chat_chars,
+                                     max_reply_tokens, think, format_penalty, free_text_actions)
         else:
             self.mode = LabelMode(client, tokenizer, temperature, self.rng, history_window, multi_turn, max_chat_chars)
 
@@ -82,7 +89,9 @@ class Policy:
         (evaluation is greedy by default)."""
         return cls(client, tokenizer, actors.temperature if temperature is None else temperature, seed=seed,
                    multi_turn=actors.multi_turn, max_chat_chars=actors.chat_max_chars,
-                   action_mode=actors.action_mode)
+                   action_mode=actors.action_mode, max_reply_tokens=getattr(actors, "max_reply_tokens", 64),
+                   think=getattr(actors, "think", True), format_penalty=getattr(actors, "format_penalty", 0.0),
+                   free_text_actions=getattr(actors, "free_text_actions", False))
 
     async def act(self, task: Task | None, state: str, candidates: Sequence[str], history: Sequence[Any] = (),
                   affinity_key: str | None = None) -> PolicyDecision:

@@ -40,6 +40,7 @@ STREAM_PENDING = Gauge("stream_pending", "Entries delivered to a consumer but no
 ROLLOUT_EPISODES = Counter("rollout_episodes_total", "Episodes finished.", ["env_kind", "status"])
 ROLLOUT_STEPS = Counter("rollout_steps_total", "Environment steps taken.", ["env_kind"])
 ROLLOUT_INVALID_ACTIONS = Counter("rollout_invalid_actions_total", "Actions the environment rejected as invalid.", ["env_kind"])
+POLICY_INVALID_REPLIES = Counter("policy_invalid_replies_total", "Generate-mode replies that named no legal action, by reason: 'truncated' (cut off at actors.max_reply_tokens), 'no_action' (no <action>...</action>), 'not_admissible' (not a candidate); the environment was not stepped.", ["reason"])
 ROLLOUT_EPISODE_SECONDS = Histogram("rollout_episode_seconds", "Wall time of one episode.", ["env_kind"], buckets=_LATENCY)
 ROLLOUT_WORKERS = Gauge("rollout_workers", "Rollout workers running their loop in this process.")
 ROLLOUT_POOL_WORKERS = Gauge("rollout_pool_workers", "Rollout workers the elastic pool runs (set by the driver, local or Ray).")

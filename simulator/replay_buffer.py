@@ -70,12 +70,13 @@ def _from_payload(p: dict) -> Transition:
 
 
 def transitions_from_trajectory(traj: Trajectory, source: str = "real") -> list[Transition]:
-    """One Transition per step; the trajectory id is the episode id."""
+    """One Transition per step the environment took (not a generate-mode invalid reply); the trajectory id
+    is the episode id."""
     instruction = traj.task.instruction if traj.task is not None else ""
     return [Transition(task_id=traj.task_id, instruction=instruction, state=s.state, action=s.action,
                        reasoning=s.reasoning, next_state=s.next_state, reward=float(s.reward), done=bool(s.done),
                        source=source, episode_id=traj.trajectory_id, policy_version=traj.policy_version)
-            for s in traj.steps]
+            for s in traj.steps if not getattr(s, "invalid_reason", "")]
 
 
 @runtime_checkable

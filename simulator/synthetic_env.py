@@ -39,6 +39,10 @@ def _type_values(task: Task) -> list[str]:
 class SyntheticEnv:
     """Environment interface over an ExperienceModel."""
 
+    # generate mode: `step` answers any action outside the candidates as invalid without asking Mexp,
+    # so free text is not taken here (the policy records it as 'not_admissible' instead)
+    accepts_free_text = False
+
     def __init__(self, mexp: ExperienceModel, max_steps: int = 8, on_reject: str = "raise") -> None:
         if on_reject not in ("raise", "end"):
             raise ValueError(f"on_reject must be 'raise' or 'end', got {on_reject!r}")

@@ -9,7 +9,8 @@ from prometheus_client import REGISTRY
 
 from infra import dashboards, metrics
 
-PREFIXES = ("rollout_", "learner_", "stream_", "simulator_", "engine_", "curriculum_", "env_")
+PREFIXES = ("rollout_", "learner_", "stream_", "simulator_", "engine_", "curriculum_", "env_",
+            "policy_")  # policy_: what the policy wrote (generate mode), named by issue 60
 
 
 def _declared() -> dict[str, object]:

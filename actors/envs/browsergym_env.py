@@ -232,6 +232,8 @@ class BrowserGymEnv:
     """One BrowserGym environment at a time; `reset(task)` opens `task.game_file` (e.g. 'miniwob.click-button') with `task.seed`."""
 
     family = "browsergym"
+    # generate mode (actors.free_text_actions): `type [n] "any text"` fills element n with that text
+    accepts_free_text = True
 
     def __init__(self, max_steps: int = 20):
         self.max_steps = max_steps

@@ -303,6 +303,9 @@ class TextWorldEnv(LockedThreadCore):
     _core_lock = _TW_LOCK
 
     family = "textworld"
+    # generate mode (actors.free_text_actions): a written command goes to `_resolve`, which takes any
+    # admissible command (hidden ones such as "look" too) up to case and spacing, else answers invalid
+    accepts_free_text = True
 
     def __init__(self, max_steps: int = 50):
         self.max_steps = max_steps

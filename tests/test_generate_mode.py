@@ -1,0 +1,258 @@
+"""Generate mode, worker side: the chat's token ids, invalid replies, free text, restarts, the warm start's layout.
+
+A canned engine client (it records the input_ids it is sent and answers fixed replies, as
+token ids of SmolLM2's real tokenizer) stands in for the policy engine, except in the last
+test, which plays against the real embedded engine with the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from actors.episode import run_episode
+from actors.generate_mode import chat_delta_text, expert_reply, expert_turns, system_prompt, user_message
+from actors.policy import Policy
+from actors.reply import NO_ACTION, NOT_ADMISSIBLE, REASON_TEXT, TRUNCATED
+from infra import metrics
+from infra.config import ActorsConfig
+from infra.engine.client import GenerateResult
+from infra.schema import Status, Task
+from tests.rollout_fakes import LadderEnv
+from tests.test_reply import _fuzzed
+
+TASK = Task(task_id="t1", instruction="climb the ladder")
+GOOD = "<think>up is closer</think><action>up</action>"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from infra.engine.models import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+class CannedClient:
+    """Answers `replies` in turn, cycling: (text, finish_reason, ends with EOS); a callable draws one."""
+
+    def __init__(self, tok, replies):
+        self.tok, self.replies, self.calls = tok, replies, []
+
+    async def generate(self, prompt=None, *, input_ids=None, sampling_params=None, return_logprob=False,
+                       token_ids_logprob=None, affinity_key=None):
+        assert prompt is None and input_ids is not None and return_logprob
+        self.calls.append({"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                           "affinity_key": affinity_key})
+        r = self.replies[(len(self.calls) - 1) % len(self.replies)] if isinstance(self.replies, list) else self.replies()
+        text, finish, eos = r
+        ids = self.tok.encode(text, add_special_tokens=False) + ([self.tok.eos_token_id] if eos else [])
+        return GenerateResult(text=text, output_ids=ids, output_logprobs=[-0.01 * (i + 1) for i in range(len(ids))],
+                              token_ids_logprobs=None, weight_version=7, finish_reason=finish,
+                              prompt_tokens=len(input_ids))
+
+
+class CountingLadder(LadderEnv):
+    def __init__(self, height, free_text=False):
+        super().__init__(height)
+        self.actions = []
+        self.accepts_free_text = free_text
+
+    async def step(self, action):
+        self.actions.append(action)
+        return await super().step(action)
+
+
+def policy(client, tok, **kw):
+    cfg = ActorsConfig(action_mode="generate", multi_turn=True, max_reply_tokens=kw.pop("max_reply_tokens", 48), **kw)
+    return Policy.from_config(cfg, client, tok, seed=0)
+
+
+async def play(pol, env, max_steps=6):
+    async def choose(task, state, candidates, history):
+        return await pol.act(task, state, candidates, history, task.task_id)
+
+    return await run_episode(env, TASK, choose, max_steps)
+
+
+def _invalid_count(reason):
+    return metrics.POLICY_INVALID_REPLIES.labels(reason)._value.get()
+
+
+async def test_each_call_sees_exactly_the_previous_ids_and_the_steps_carry_them(tok):
+    replies = [(GOOD, "stop", False), ("<think>climbing needs a plan and", "length", False),
+               ("<think>x</think><action>UP.</action>", "stop", True), ("<action>down</action>", "stop", False),
+               ("no tags at all", "stop", True)]
+    client = CannedClient(tok, replies)
+    traj = await play(policy(client, tok), CountingLadder(9), max_steps=5)
+    assert len(traj.steps) == len(client.calls) == 5
+    running: list[int] = []
+    for call, step, (text, finish, eos) in zip(client.calls, traj.steps, replies):
+        if step.new_chat:
+            running = []
+        assert call["input_ids"] == running + step.prompt_token_ids
+        assert call["sampling_params"] == {"max_new_tokens": 48, "temperature": 1.0, "stop": ["</action>"]}
+        assert call["affinity_key"] == "t1"
+        want = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+        assert step.action_token_ids == want and step.loss_mask == [1] * len(want)
+        assert step.logprobs == pytest.approx([-0.01 * (i + 1) for i in range(len(want))])
+        assert step.reply == text and not step.choice_token_ids
+        running += step.prompt_token_ids + step.action_token_ids
+    assert [s.new_chat for s in traj.steps] == [True, False, False, False, False]
+    assert [s.invalid_reason for s in traj.steps] == ["", TRUNCATED, "", "", NO_ACTION]
+    assert [s.action for s in traj.steps] == ["up", "", "up", "down", ""]
+
+    # The ids decode to the chat template's own rendering of the same conversation.
+    msgs = [{"role": "system", "content": system_prompt(True)}]
+    for k, step in enumerate(traj.steps):
+        reason = traj.steps[k - 1].invalid_reason if k else ""
+        msgs.append({"role": "user", "content": user_message(TASK, step.state, ["up", "down"], (), k == 0, True,
+                                                             reason)[0]})
+        prompt_so_far = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ids = [t for s in traj.steps[:k] for t in s.prompt_token_ids + s.action_token_ids] + step.prompt_token_ids
+        assert tok.decode(ids, skip_special_tokens=False) == prompt_so_far
+        assert step.policy_prompt == prompt_so_far
+        msgs.append({"role": "assistant", "content": replies[k][0]})
+    # a reply that stopped on the end-of-turn token is not closed twice
+    assert not tok.decode(traj.steps[3].prompt_token_ids, skip_special_tokens=False).startswith("<|im_end|>")
+    assert tok.decode(traj.steps[1].prompt_token_ids, skip_special_tokens=False).startswith("<|im_end|>")
+    assert REASON_TEXT[TRUNCATED] in tok.decode(traj.steps[2].prompt_token_ids)
+
+
+def test_the_turn_delta_comes_from_the_template(tok):
+    delta = chat_delta_text(tok, "State: x")
+    assert delta == "<|im_end|>\n<|im_start|>user\nState: x<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_delta_text(tok, "State: x", "<|im_end|>") == delta[len("<|im_end|>"):]
+    assert tok.decode(tok.encode(delta, add_special_tokens=False), skip_special_tokens=False) == delta
+
+
+async def test_invalid_replies_leave_the_env_alone_are_counted_and_the_episode_goes_on(tok):
+    garbage = "\x00漢字 <action <|im_start|>🙂" + "".join(chr(c) for c in range(0x300, 0x340))
+    replies = [("<think>I should think about this for a very", "length", False), ("I climb.", "stop", True),
+               ("<think>x</think><action>fly away</action>", "stop", False), (garbage, "stop", False),
+               (GOOD, "stop", False), (GOOD, "stop", False)]
+    before = {r: _invalid_count(r) for r in (TRUNCATED, NO_ACTION, NOT_ADMISSIBLE)}
+    env = CountingLadder(2)
+    traj = await play(policy(CannedClient(tok, replies), tok, format_penalty=0.25), env, max_steps=8)
+    assert traj.status == Status.SUCCESS and env.actions == ["up", "up"]
+    assert [s.invalid_reason for s in traj.steps] == [TRUNCATED, NO_ACTION, NOT_ADMISSIBLE, NO_ACTION, "", ""]
+    for s in traj.steps[:4]:
+        assert not s.valid and s.reward == -0.25 and s.next_state == s.state and not s.done and s.action_token_ids
+    assert traj.steps[4].valid and traj.steps[4].reward == 0.0 and traj.steps[5].reward == 1.0
+    assert {r: _invalid_count(r) - before[r] for r in before} == {TRUNCATED: 1, NO_ACTION: 2, NOT_ADMISSIBLE: 1}
+    # the next user message says why; invalid steps count toward max_steps
+    assert REASON_TEXT[NOT_ADMISSIBLE] in tok.decode(traj.steps[3].prompt_token_ids)
+    short = await play(policy(CannedClient(tok, [("nothing", "stop", False)]), tok), CountingLadder(2), max_steps=3)
+    assert len(short.steps) == 3 and short.status == Status.TRUNCATED and short.total_reward == 0.0
+
+
+async def test_free_text_goes_to_an_env_that_takes_it_and_is_invalid_elsewhere(tok):
+    reply = [("<think>x</think><action>Climb Down</action>", "stop", False)]
+    env = CountingLadder(5, free_text=True)
+    traj = await play(policy(CannedClient(tok, reply), tok, free_text_actions=True), env, max_steps=2)
+    assert env.actions == ["Climb Down", "Climb Down"]
+    assert all(s.valid and s.invalid_reason == "" and s.action == "Climb Down" for s in traj.steps)
+    # the next turn does not call it invalid
+    assert "Your last" not in tok.decode(traj.steps[1].prompt_token_ids)
+    for free, takes in ((True, False), (False, True)):
+        env = CountingLadder(5, free_text=takes)
+        traj = await play(policy(CannedClient(tok, reply), tok, free_text_actions=free), env, max_steps=2)
+        assert env.actions == [] and [s.invalid_reason for s in traj.steps] == [NOT_ADMISSIBLE] * 2
+
+
+async def test_a_long_chat_restarts_with_the_last_actions_and_greedy_works(tok):
+    client = CannedClient(tok, [(GOOD, "stop", False), ("<action>down</action>", "stop", False)])
+    traj = await play(policy(client, tok, chat_max_chars=900, temperature=0.0), CountingLadder(50), max_steps=6)
+    assert traj.steps[0].new_chat and any(s.new_chat for s in traj.steps[1:])
+    assert {c["sampling_params"]["temperature"] for c in client.calls} == {0.0}
+    for call, step in zip(client.calls, traj.steps):
+        if step.new_chat:
+            assert call["input_ids"] == step.prompt_token_ids
+            assert len(step.policy_prompt) <= 900 or step is traj.steps[0]
+    k = next(i for i, s in enumerate(traj.steps) if i and s.new_chat)
+    assert "Previous actions: " + "; ".join(s.action for s in traj.steps[:k][-3:]) in traj.steps[k].policy_prompt
+
+
+async def test_expert_turns_lay_out_tokens_as_the_worker_does(tok):
+    env = CountingLadder(50)
+    think = False
+    replies = [expert_reply(a, "r", think) for a in ("up", "down", "up")] + ["<action>fly</action>",
+                                                                               expert_reply("up", "", think)]
+    client = CannedClient(tok, [(r, "stop", False) for r in replies])
+    traj = await play(policy(client, tok, think=think, chat_max_chars=1000), env, max_steps=5)
+    assert any(s.new_chat for s in traj.steps[1:])  # the bound is crossed: the restart matches too
+    turns = expert_turns(tok, TASK, [(s.state, ["up", "down"], r) for s, r in zip(traj.steps, replies)], think,
+                         max_chat_chars=1000)
+    assert [(t.prompt_token_ids, t.reply_token_ids, t.new_chat) for t in turns] == \
+        [(s.prompt_token_ids, s.action_token_ids, s.new_chat) for s in traj.steps]
+    assert expert_reply("go east", " the\n door ", True) == "<think>the door</think><action>go east</action>"
+    assert expert_reply("go east", "why", False) == "<action>go east</action>"
+
+
+async def test_a_rollout_worker_survives_any_reply_and_counts_it(tok, redis_url):
+    from actors.rollout_worker import RolloutWorker
+    from infra.schema import Trajectory, decode_as
+    from infra.streams import connect, trajectories_stream
+    from tests.test_rollout_worker import PREFIX, ListSink, push_tasks
+
+    rng = random.Random(7)
+
+    def draw():
+        if rng.random() < 0.3:
+            return GOOD, "stop", False
+        text = _fuzzed(rng).encode("utf-8", "replace").decode()  # an engine decodes ids to valid UTF-8
+        return text, rng.choice(["stop", "length"]), rng.random() < 0.5
+
+    client = connect(redis_url)
+    cfg = ActorsConfig(action_mode="generate", multi_turn=True, group_size=4, concurrent_episodes=4, max_steps=6)
+    sink = ListSink()
+    before = sum(_invalid_count(r) for r in (TRUNCATED, NO_ACTION, NOT_ADMISSIBLE))
+    w = RolloutWorker("w0", client, PREFIX, Policy.from_config(cfg, CannedClient(tok, draw), tok, seed=0),
+                      lambda: LadderEnv(3), cfg, buffer=sink, reclaim_idle_ms=300)
+    await push_tasks(client, 3)
+    await asyncio.wait_for(w.run(max_groups=3), 120)
+    trajs = [decode_as(f[b"d"], Trajectory) for _, f in await client.xrange(trajectories_stream(PREFIX))]
+    assert len(trajs) == 12 and w.groups_failed == 0
+    steps = [s for t in trajs for s in t.steps]
+    bad = [s for s in steps if s.invalid_reason]
+    assert bad and all(not s.valid and s.next_state == s.state for s in bad)
+    assert sum(_invalid_count(r) for r in (TRUNCATED, NO_ACTION, NOT_ADMISSIBLE)) - before == len(bad)
+    assert all(s.prompt_token_ids and len(s.logprobs) == len(s.action_token_ids) for s in steps)
+    assert len(sink.items) == len(steps) - len(bad)  # invalid replies are not written back
+    await client.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_against_the_real_engine_the_steps_carry_its_ids_and_logprobs(tiny_dir):
+    import torch
+
+    from infra.engine.client import EngineClient
+    from infra.engine.models import load_model
+    from infra.engine.server import start_embedded_engine
+
+    model, tok = load_model(str(tiny_dir))
+    engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=4)
+    try:
+        async with EngineClient([engine.url], role="policy") as client:
+            pol = policy(client, tok, max_reply_tokens=12)
+            trajs = await asyncio.gather(*(play(pol, CountingLadder(3), max_steps=3) for _ in range(2)))
+            greedy = await play(policy(client, tok, max_reply_tokens=12, temperature=0.0), CountingLadder(3), 2)
+    finally:
+        await engine.stop()
+    for traj in [*trajs, greedy]:
+        assert traj.steps and traj.steps[0].new_chat
+        seq: list[int] = []
+        for step in traj.steps:
+            assert 0 < len(step.action_token_ids) <= 12 and len(step.logprobs) == len(step.action_token_ids)
+            if step.new_chat:
+                seq = []
+            seq += step.prompt_token_ids
+            start = len(seq)
+            seq += step.action_token_ids
+            with torch.no_grad():  # the sampled ids' log-probs, recomputed from the packed chat
+                logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+            mine = [float(logp[p - 1, seq[p]]) for p in range(start, len(seq))]
+            assert max(abs(a - b) for a, b in zip(mine, step.logprobs)) <= 1e-4
+            assert step.reply == tok.decode(step.action_token_ids, skip_special_tokens=True)
