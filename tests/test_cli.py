@@ -206,3 +206,28 @@ def test_a_run_dir_resolves_to_the_policy_it_evaluated(tmp_path):
         resolve_model(sft)
     with pytest.raises(FileNotFoundError, match="policy.json"):
         resolve_model(tmp_path / "runs" / "exp")  # a directory that is no run
+
+
+@pytest.mark.slow
+async def test_sft_and_base_runs_resolve_through_eval_checkpoint(tiny_run, tiny_dir, tmp_path):
+    """The base and SFT regimes publish no weights (learner.total_updates=0); their run directories still
+    name the policy they evaluated, and `dreamgym eval --policy checkpoint --checkpoint <run>` serves it."""
+    from infra.config import load_config
+    from infra.run.driver import train
+    from learner import policy_sft
+    from learner.weights import published_versions, resolve_model
+
+    sft_cfg = load_config(None, [*tiny_run, "learner.total_updates=0", "learner.warm_start_steps=1",
+                                 "learner.warm_start_batch=2"])
+    await train(sft_cfg, "sft")
+    base_cfg = load_config(None, [*tiny_run, "learner.total_updates=0", "learner.warm_start_steps=0"])
+    await train(base_cfg, "base")
+    runs = tmp_path / "runs"
+    assert published_versions(runs / "sft") == [] and published_versions(runs / "base") == []
+    assert resolve_model(runs / "sft") == str(policy_sft.cache_dir(sft_cfg).resolve())  # the warm start, in its cache
+    assert resolve_model(runs / "base") == str(tiny_dir.resolve())
+    out = subprocess.run([*CLI, "eval", str(runs / "sft"), "--policy", "checkpoint", "--checkpoint", str(runs / "sft"),
+                          "--limit", "1", "--out", str(tmp_path / "eval.json")], capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["episodes"] == 1
