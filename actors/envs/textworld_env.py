@@ -51,6 +51,12 @@ FAMILY_ARGS: dict[str, list[str]] = {
     "tw-cooking-3": ["tw-cooking", "--recipe", "2", "--take", "2", "--go", "6", "--open", "--cut"],
     "custom": ["custom", "--world-size", "2", "--nb-objects", "4", "--quest-length", "2"],
     "custom-3": ["custom", "--world-size", "3", "--nb-objects", "6", "--quest-length", "3"],
+    # Longer quests in bigger worlds (configs/experiments/textworld_long.yaml): the expert's plan is the quest
+    # length (4, 5, 6, 8 steps); tw-make took 13-17 s a game on the loaded 2-core CPU (2026-12-03).
+    "custom-4": ["custom", "--world-size", "4", "--nb-objects", "8", "--quest-length", "4"],
+    "custom-5": ["custom", "--world-size", "5", "--nb-objects", "9", "--quest-length", "5"],
+    "custom-6": ["custom", "--world-size", "6", "--nb-objects", "10", "--quest-length", "6"],
+    "custom-8": ["custom", "--world-size", "8", "--nb-objects", "12", "--quest-length", "8"],
     "tw-coin_collector": ["tw-coin_collector", "--level", "5"],
     "tw-treasure_hunter": ["tw-treasure_hunter", "--level", "2"],
 }
