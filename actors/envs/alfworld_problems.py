@@ -77,7 +77,7 @@ MAX_DISTRACTORS = 6  # distractor object types per problem (ALFRED scenes hold 2
 MAX_ATTEMPTS = 12  # floorplans tried for one task slot before it is declared impossible
 GAME_SUFFIX = ".tw-pddl"
 UNSOLVABLE_SUFFIX = ".unsolvable"  # the marker of a (task type, floorplan, seed) that yields no solvable game
-SERIAL_UP_TO = 2  # problems to make at most for which no worker process is spawned
+SERIAL_UP_TO = 8  # problems to make at most for which no worker process is spawned (one costs 10-16 s of imports on a loaded 2-core CPU)
 _MANGLE = {"-": "_minus_", "|": "_bar_", "+": "_plus_", ".": "_dot_", ",": "_comma_"}
 _MANGLE_RE = re.compile("|".join(re.escape(k) for k in _MANGLE))
 
