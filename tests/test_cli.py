@@ -231,3 +231,12 @@ async def test_sft_and_base_runs_resolve_through_eval_checkpoint(tiny_run, tiny_
                          timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert json.loads((tmp_path / "eval.json").read_text())["episodes"] == 1
+
+
+def test_train_finds_the_quickstart_by_name_from_another_directory(tmp_path):
+    """`dreamgym train quickstart` outside a checkout: the preset loads (the bad override is what fails, exit 2)."""
+    out = subprocess.run([DREAMGYM, "train", "quickstart", "learner.lr=oops"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "learner.lr" in out.stderr and "'oops'" in out.stderr and "does not exist" not in out.stderr
+    assert not (tmp_path / "runs").exists()
