@@ -19,10 +19,11 @@ episode is ONE chat, kept as the list of token ids the engine has seen, never re
   `invalid_reason`, which actors/episode.py records without stepping the environment. The
   next user message says why.
 - A chat whose text (`chat_text`: the decoded ids, special tokens shown) would pass
-  `actors.chat_max_chars` characters restarts as a fresh turn 1 that lists the last actions,
-  as the label mode's chat does. The bound is on characters, not tokens (about 3-4
-  characters a token for SmolLM2 on English): keep chat_max_chars / 3 + max_reply_tokens
-  inside the model's context.
+  `actors.chat_max_chars` characters, or whose ids plus a full reply (`max_reply_tokens`)
+  would pass `actors.chat_max_tokens`, restarts as a fresh turn 1 that lists the last
+  actions, as the label mode's chat does. The token bound is the one that keeps a request
+  inside the model's context (TextWorld text is about 6 characters a token, a sampled
+  reply can be anything).
 
 `expert_turns` / `expert_reply` build the SFT warm start's teacher-forced turns with the same
 code path (`next_turn`), so the warm start and the worker lay out tokens identically. An
@@ -51,6 +52,7 @@ THINK_SYSTEM_PROMPT = ("You are an agent acting in a text environment. Each turn
 ACTION_SYSTEM_PROMPT = ("You are an agent acting in a text environment. Each turn, read the goal, the state and the "
                         "available actions, then write exactly one available action, copied as listed, inside "
                         "<action>...</action>, and nothing else.")
+MAX_CHAT_TOKENS = 1_536  # default for actors.chat_max_tokens
 _PLACEHOLDER = "A"  # the assistant message the chat template's turn delta is measured around
 
 
@@ -129,17 +131,19 @@ def _valid_actions(history: Sequence[Any]) -> list[Any]:
 
 
 def next_turn(tokenizer: Any, task: Task | None, state: str, candidates: Sequence[str], history: Sequence[Any],
-              think: bool, max_chat_chars: int = MAX_CHAT_CHARS, history_window: int = 3) -> Turn:
+              think: bool, max_chat_chars: int = MAX_CHAT_CHARS, history_window: int = 3,
+              max_chat_tokens: int = MAX_CHAT_TOKENS, max_reply_tokens: int = 0) -> Turn:
     """This turn's prompt ids after `history` (previous decisions, most recent last; a last one with
-    `chat_ids`/`chat_text` is extended, unless the chat would pass `max_chat_chars`; strings or other
-    objects start a chat that lists them as the previous actions)."""
+    `chat_ids`/`chat_text` is extended, unless the chat would pass `max_chat_chars` characters, or
+    `max_chat_tokens` tokens with a reply of `max_reply_tokens`; strings or other objects start a chat
+    that lists them as the previous actions)."""
     prev = history[-1] if history else None
     reason = str(getattr(prev, "invalid_reason", "") or "") if prev is not None and not isinstance(prev, str) else ""
     if _continues(prev):
         user, shown = user_message(task, state, candidates, (), False, think, reason)
         delta = chat_delta_text(tokenizer, user, _closing(tokenizer, getattr(prev, "action_token_ids", [])))
-        if len(prev.chat_text) + len(delta) <= max_chat_chars:
-            ids = encode(tokenizer, delta)
+        ids = encode(tokenizer, delta) if len(prev.chat_text) + len(delta) <= max_chat_chars else None
+        if ids is not None and len(prev.chat_ids) + len(ids) + max_reply_tokens <= max_chat_tokens:
             return Turn(ids, list(prev.chat_ids) + ids, prev.chat_text + delta, False, shown)
     recent = recent_actions(_valid_actions(history), history_window)
     user, shown = user_message(task, state, candidates, recent, True, think, reason)
@@ -186,14 +190,16 @@ class _Said:
 
 
 def expert_turns(tokenizer: Any, task: Task | None, turns: Sequence[tuple[str, Sequence[str], str]], think: bool,
-                 max_chat_chars: int = MAX_CHAT_CHARS, history_window: int = 3) -> list[TurnIds]:
+                 max_chat_chars: int = MAX_CHAT_CHARS, history_window: int = 3, max_chat_tokens: int = MAX_CHAT_TOKENS,
+                 max_reply_tokens: int = 64) -> list[TurnIds]:
     """Teacher-forced turns of one episode, laid out exactly as the worker lays out its own: `turns` are
     (state, candidates, reply text) in order (replies from `expert_reply`); the reply ids are the reply
     text tokenised alone. An invalid reply is kept, and the next turn says why, as in a rollout."""
     out: list[TurnIds] = []
     history: list[Any] = []
     for state, candidates, reply in turns:
-        turn = next_turn(tokenizer, task, state, candidates, history, think, max_chat_chars, history_window)
+        turn = next_turn(tokenizer, task, state, candidates, history, think, max_chat_chars, history_window,
+                         max_chat_tokens, max_reply_tokens)
         rids = encode(tokenizer, reply)
         out.append(TurnIds(turn.prompt_token_ids, rids, turn.new_chat))
         action, _, reason, _, _ = judge(reply, "stop", candidates, turn.shown)
@@ -208,10 +214,11 @@ class GenerateMode:
 
     def __init__(self, client: Any, tokenizer: Any, temperature: float, rng: random.Random, history_window: int = 3,
                  max_chat_chars: int = MAX_CHAT_CHARS, max_reply_tokens: int = 64, think: bool = True,
-                 format_penalty: float = 0.0, free_text_actions: bool = False):
+                 format_penalty: float = 0.0, free_text_actions: bool = False, max_chat_tokens: int = MAX_CHAT_TOKENS):
         self.client, self.tokenizer, self.temperature, self.rng = client, tokenizer, temperature, rng
         self.history_window, self.max_chat_chars, self.max_reply_tokens = history_window, max_chat_chars, max_reply_tokens
         self.think, self.format_penalty, self.free_text_actions = think, format_penalty, free_text_actions
+        self.max_chat_tokens = max_chat_tokens
 
     async def act(self, task: Task | None, state: str, candidates: Sequence[str], history: Sequence[Any] = (),
                   affinity_key: str | None = None) -> PolicyDecision:
@@ -219,7 +226,7 @@ class GenerateMode:
             raise ValueError("no candidate actions to choose from")
         candidates = list(candidates)
         turn = next_turn(self.tokenizer, task, state, candidates, history, self.think, self.max_chat_chars,
-                         self.history_window)
+                         self.history_window, self.max_chat_tokens, self.max_reply_tokens)
         result = await self.client.generate(
             input_ids=turn.input_ids, return_logprob=True, affinity_key=affinity_key,
             sampling_params={"max_new_tokens": self.max_reply_tokens, "temperature": self.temperature,

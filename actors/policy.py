@@ -63,7 +63,7 @@ class Policy:
     def __init__(self, client: Any, tokenizer: Any, temperature: float = 1.0, seed: int | None = None,
                  history_window: int = 3, multi_turn: bool = False, max_chat_chars: int = MAX_CHAT_CHARS,
                  action_mode: str = "label", max_reply_tokens: int = 64, think: bool = True,
-                 format_penalty: float = 0.0, free_text_actions: bool = False):
+                 format_penalty: float = 0.0, free_text_actions: bool = False, max_chat_tokens: int = 1_536):
         if action_mode not in ACTION_MODES:
             raise ValueError(f"action_mode must be one of {ACTION_MODES}, got {action_mode!r}")
         if action_mode == "score" and multi_turn:
@@ -78,7 +78,7 @@ class Policy:
             self.mode: ActionMode = ScoreMode(client, tokenizer, temperature, self.rng, history_window)
         elif action_mode == "generate":
             self.mode = GenerateMode(client, tokenizer, temperature, self.rng, history_window, max_chat_chars,
-                                     max_reply_tokens, think, format_penalty, free_text_actions)
+                                     max_reply_tokens, think, format_penalty, free_text_actions, max_chat_tokens)
         else:
             self.mode = LabelMode(client, tokenizer, temperature, self.rng, history_window, multi_turn, max_chat_chars)
 
@@ -91,7 +91,8 @@ class Policy:
                    multi_turn=actors.multi_turn, max_chat_chars=actors.chat_max_chars,
                    action_mode=actors.action_mode, max_reply_tokens=getattr(actors, "max_reply_tokens", 64),
                    think=getattr(actors, "think", True), format_penalty=getattr(actors, "format_penalty", 0.0),
-                   free_text_actions=getattr(actors, "free_text_actions", False))
+                   free_text_actions=getattr(actors, "free_text_actions", False),
+                   max_chat_tokens=getattr(actors, "chat_max_tokens", 1_536))
 
     async def act(self, task: Task | None, state: str, candidates: Sequence[str], history: Sequence[Any] = (),
                   affinity_key: str | None = None) -> PolicyDecision:

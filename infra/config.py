@@ -303,6 +303,7 @@ class ActorsConfig:
     format_penalty: float = _f(0.0, "generate mode: reward subtracted from a step whose reply names no legal action (cut off, no <action>, not a candidate); the step leaves the environment unchanged either way.", NON_NEGATIVE)
     free_text_actions: bool = _f(False, "generate mode: an action that matches no candidate goes to the environment as written when the environment takes free text (TextWorld's parser, BrowserGym's fill); false = it is an invalid step ('not_admissible').")
     chat_max_chars: int = _f(12_000, "multi_turn: a chat longer than this many characters restarts as a fresh first turn (keeps prompts inside the model's context; the learner packs each part separately).", POSITIVE)
+    chat_max_tokens: int = _f(1_536, "generate mode: a chat whose token ids plus actors.max_reply_tokens would pass this many tokens restarts as a fresh first turn too (whichever bound comes first); keep it inside the policy model's context (2048 for the tiny test model, 8192 for SmolLM2). Replies are tokens the characters bound cannot see coming.", POSITIVE)
     max_steps: int = _f(8, "Most steps of a real episode.", POSITIVE)
     worker_resources: dict = _f({}, "Ray custom resources each rollout worker asks for, e.g. {rollout_cpu: 1}.", RESOURCES)
     autoscale: bool = _f(False, "Add/remove workers from stream backlog and engine queue depth.")

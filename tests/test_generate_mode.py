@@ -172,6 +172,11 @@ async def test_a_long_chat_restarts_with_the_last_actions_and_greedy_works(tok):
             assert len(step.policy_prompt) <= 900 or step is traj.steps[0]
     k = next(i for i, s in enumerate(traj.steps) if i and s.new_chat)
     assert "Previous actions: " + "; ".join(s.action for s in traj.steps[:k][-3:]) in traj.steps[k].policy_prompt
+    # the token bound: a request never passes chat_max_tokens, the reply included
+    client = CannedClient(tok, [(GOOD, "stop", False)])
+    traj = await play(policy(client, tok, chat_max_tokens=360, max_reply_tokens=32), CountingLadder(50), max_steps=8)
+    assert any(s.new_chat for s in traj.steps[1:])
+    assert all(len(c["input_ids"]) + 32 <= 360 for c in client.calls)
 
 
 async def test_expert_turns_lay_out_tokens_as_the_worker_does(tok):
@@ -183,7 +188,7 @@ async def test_expert_turns_lay_out_tokens_as_the_worker_does(tok):
     traj = await play(policy(client, tok, think=think, chat_max_chars=1000), env, max_steps=5)
     assert any(s.new_chat for s in traj.steps[1:])  # the bound is crossed: the restart matches too
     turns = expert_turns(tok, TASK, [(s.state, ["up", "down"], r) for s, r in zip(traj.steps, replies)], think,
-                         max_chat_chars=1000)
+                         max_chat_chars=1000, max_reply_tokens=48)
     assert [(t.prompt_token_ids, t.reply_token_ids, t.new_chat) for t in turns] == \
         [(s.prompt_token_ids, s.action_token_ids, s.new_chat) for s in traj.steps]
     assert expert_reply("go east", " the\n door ", True) == "<think>the door</think><action>go east</action>"
@@ -256,3 +261,31 @@ async def test_against_the_real_engine_the_steps_carry_its_ids_and_logprobs(tiny
             mine = [float(logp[p - 1, seq[p]]) for p in range(start, len(seq))]
             assert max(abs(a - b) for a, b in zip(mine, step.logprobs)) <= 1e-4
             assert step.reply == tok.decode(step.action_token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_train_and_eval_build_the_generate_mode_through_the_cli(tiny_run, tmp_path):
+    """The driver's held-out evaluation and `dreamgym eval --policy checkpoint` play in generate mode
+    when the config names it (the base regime: no RL, the starting policy evaluated)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from infra.config import load_config
+    from infra.run.driver import train
+
+    over = [*tiny_run, "learner.total_updates=0", "learner.warm_start_steps=0", "actors.action_mode=generate",
+            "actors.max_reply_tokens=8"]
+    before = sum(_invalid_count(r) for r in (TRUNCATED, NO_ACTION, NOT_ADMISSIBLE))
+    await train(load_config(None, over), "gen-base")
+    # the tiny random model writes no <action>: every held-out step was a counted invalid reply
+    assert sum(_invalid_count(r) for r in (TRUNCATED, NO_ACTION, NOT_ADMISSIBLE)) > before
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "eval", *over, "--policy", "checkpoint",
+                          "--checkpoint", str(tmp_path / "runs" / "gen-base"), "--limit", "1",
+                          "--out", str(tmp_path / "eval.json")], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["episodes"] == 1 and report["invalid_rate"] > 0
