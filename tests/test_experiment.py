@@ -286,6 +286,13 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert rows["base"]["real_transitions"] == 0 and rows["real_grpo"]["real_transitions"] == 6
     assert rows["base"]["episodes"] == rows["real_grpo"]["episodes"] == 2
     assert rows["real_grpo"]["vs"] == "base" and rows["real_grpo"]["diff_tasks"] == 2
+    # the held-out slices from what the runs recorded: both held-out games are unseen seeds of the one trained family
+    trained = json.loads((out / "real_grpo" / "summary.json").read_text())["training_tasks"]
+    assert trained["families"] == ["custom"] and trained["tasks"] == 2 and trained["plan_length_max"] >= 1
+    assert rows["real_grpo"]["slices"]["seen"]["tasks"] == 2 and rows["real_grpo"]["slices"]["unseen"] == {"tasks": 0}
+    assert "diff" in rows["real_grpo"]["slices"]["seen"] and "## Held-out success by slice" in \
+        (out / "results.md").read_text()
+    assert rows["real_grpo"]["mexp_answered"] is None  # no DreamGym phase: no share of Mexp-answered steps
     assert (out / "results.md").read_text().count("|") > 10 and (out / "success_vs_real.png").stat().st_size > 1000
     anchors = res["anchors"]  # the scripted floor and ceiling on the same held-out games
     assert anchors["expert"]["success_rate"] == 1.0 and anchors["random"]["episodes"] == 2

@@ -8,6 +8,9 @@
 - report.py     the run's time series, plots, summary.json, the progress bar and the final table
 - status.py     `dreamgym status`
 - experiment.py `dreamgym experiment`: the paper's regimes on the same held-out tasks, one table
+- results_table.py the experiment's results: one row per regime (Mexp-answered share included), results.md, the plot
+- claims.py     the paper's claims, judged on the mean of each regime's repeats (undecided below claims.repeats_needed)
+- generalisation.py held-out success by slice: families seen in training, never seen, plans longer than training's
 - fork.py       a finished run continued under another name (a regime that `continues` another)
 - cluster/      Ray at the edges: the thin actor wrappers and the runtime
 

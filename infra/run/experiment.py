@@ -19,12 +19,15 @@ strong-start rows) runs only when `--only` names it, or with `--all`; the rest m
 regime has differed from the next by up to a third of the held-out games on the CPU, so one run
 per regime cannot order two regimes that close.
 
-The results: `results.json` and `results.md` (success with a 95 % Wilson interval,
+The results (infra/run/results_table.py): `results.json` and `results.md` (success with a 95 % Wilson interval,
 the paired difference to the `compare_to` regime, the experiment's or a regime's own,
 with a bootstrap interval over tasks (and over runs, for a regime that ran more than once: its
 success is then the mean of its runs, actors/confidence.runs_bootstrap), real transitions used, synthetic transitions,
-Mexp reward accuracy and ΔR, wall time), the paper's four claims checked on those runs
-(infra/run/claims.py, for the regimes the file names under `claims:`) and `success_vs_real.png`
+the share of a DreamGym row's synthetic steps that Mexp answered rather than replayed from the offline data,
+Mexp reward accuracy and ΔR, wall time), held-out success by slice (families seen in training, never seen,
+longer plans than training's: infra/run/generalisation.py), the paper's four claims checked on the mean of
+each regime's runs, called only with `claims: repeats_needed` runs a regime (infra/run/claims.py, for the
+regimes the file names under `claims:`) and `success_vs_real.png`
 (held-out success against online real transitions used). Beside the regimes, the scripted random and expert choosers play the
 same held-out games (`dreamgym eval --policy random|expert`, seconds each): the floor
 and the ceiling a learned policy sits between. Caches are keyed by content (infra/run/artifacts.py), so regimes
