@@ -49,6 +49,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-mexp": ("learner.mexp_sft", "Fine-tune the experience model on offline data (paper Eq. 5)."),
     "warm-start": ("learner.policy_sft", "Supervised warm start of the policy on expert offline steps (choice form)."),
     "fidelity": ("simulator.fidelity", "Replay held-out real trajectories through Mexp: reward/done accuracy, state agreement."),
+    "rllib": ("infra.run.rllib", "Train an RLlib PPO agent in DreamGym's synthetic environment (or a real one): a learned simulator for classical RL."),
     "scale": ("infra.run.scale", "Add or remove rollout workers of a running training job."),
     "tasks": ("simulator.task_pool", "List the curriculum's task pool with statistics and lineage (a live job's, or a finished run's with --run DIR)."),
     "monitor": ("infra.run.monitoring", "Print a run's live Prometheus scrape targets and whether each answers."),

@@ -11,12 +11,20 @@ owned by this object.
 
 `gym_env_creator(env_config)` builds one from a plain dict, which is what
 `ray.tune.registry.register_env` needs; `register_rllib_env()` does the registration.
+
+`MaskedCandidates` is the numeric view an RLlib algorithm trains on (infra/run/rllib.py,
+`dreamgym rllib`): a fixed-size embedding of the state and of each candidate slot (a hashed
+bag of words, `hashed_bow`: no model, the same vector in every process) and the mask of the
+slots that hold a candidate, in the {"observations", "action_mask"} form of RLlib's
+action-masking RLModule. Candidates past `max_actions` are not offered.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import string
+import zlib
 from typing import Any, Sequence
 
 import gymnasium as gym
@@ -77,6 +85,42 @@ class DreamGymTextEnv(gym.Env):
         if not self._loop.is_closed():
             self._loop.run_until_complete(self.env.close())
             self._loop.close()
+
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def hashed_bow(text: str, dim: int) -> np.ndarray:
+    """Unit-norm counts of `text`'s lower-case words, each in bucket crc32(word) % dim (zeros for no words)."""
+    v = np.zeros(dim, dtype=np.float32)
+    for w in _WORD.findall(text.lower()):
+        v[zlib.crc32(w.encode()) % dim] += 1.0
+    n = float(np.linalg.norm(v))
+    return v / n if n else v
+
+
+class MaskedCandidates(gym.ObservationWrapper):
+    """A DreamGymTextEnv seen as numbers: state and candidate-slot embeddings, and the action mask."""
+
+    def __init__(self, env: DreamGymTextEnv, state_dim: int = 128, action_dim: int = 32):
+        super().__init__(env)
+        self.state_dim, self.action_dim, self.slots = state_dim, action_dim, int(env.action_space.n)
+        size = state_dim + self.slots * action_dim
+        self.observation_space = gym.spaces.Dict({
+            "observations": gym.spaces.Box(-1.0, 1.0, (size,), np.float32),
+            "action_mask": gym.spaces.Box(0.0, 1.0, (self.slots,), np.float32)})
+
+    def observation(self, observation: str) -> dict:
+        cands = self.env.unwrapped._candidates[: self.slots]
+        slots = np.zeros((self.slots, self.action_dim), dtype=np.float32)
+        for i, c in enumerate(cands):
+            slots[i] = hashed_bow(c, self.action_dim)
+        mask = np.zeros(self.slots, dtype=np.float32)
+        mask[: len(cands)] = 1.0
+        if not cands:  # a state with nothing listed (an ended synthetic episode): one slot, answered as invalid
+            mask[0] = 1.0
+        return {"observations": np.concatenate([hashed_bow(observation, self.state_dim), slots.ravel()]),
+                "action_mask": mask}
 
 
 def gym_env_creator(env_config: dict) -> DreamGymTextEnv:
