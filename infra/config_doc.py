@@ -78,8 +78,10 @@ def describe(cfg: Config | None = None, only: str = "") -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def _cell(text: str, code: bool = False) -> str:
+    """Text for one table cell: pipes escaped, and outside code `<...>` (an HTML tag to a renderer) too."""
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if code else text.replace("<", "&lt;")
 
 
 def markdown() -> str:
@@ -112,7 +114,7 @@ def markdown() -> str:
         lines += [f"## {section}", "", summary(section), "",
                   "| setting | type | default | check | help |", "|---|---|---|---|---|"]
         for s in settings(section):
-            lines.append(f"| `{s.key}` | {s.type} | `{_cell(repr(s.default))}` | {_cell(s.check) or '-'} | "
+            lines.append(f"| `{s.key}` | {s.type} | `{_cell(repr(s.default), code=True)}` | {_cell(s.check) or '-'} | "
                          f"{_cell(s.doc)} |")
         lines.append("")
     return "\n".join(lines)
