@@ -101,12 +101,20 @@ def test_a_claim_is_called_only_when_every_regime_has_its_repeats():
     c1 = by_target(claims.check(K3, one))[1]
     # one run of each: undecided, saying how many runs it needs, with what the runs so far showed
     assert c1["status"] == UNDECIDED
-    assert c1["detail"].startswith("needs >= 3 runs per regime (has 1): dg 1 run, sft 1 run; so far met: ")
+    assert c1["detail"].startswith("needs >= 3 runs per regime (has 1): dg 1 run, sft 1 run; a 50.0-pt gap needs "
+                                   "3 runs at a run-to-run SD of 18.0 pts (the CPU preset's); so far met: ")
     # SFT's repeats would reproduce its first run (no update, greedy): one run of it counts as repeated
     c1 = by_target(claims.check(K3, one, identical={"sft"}))[1]
-    assert c1["status"] == UNDECIDED and "(has 1): dg 1 run; so far" in c1["detail"] and "sft 1" not in c1["detail"]
+    assert c1["status"] == UNDECIDED and "(has 1): dg 1 run; a 50.0" in c1["detail"] and "sft 1" not in c1["detail"]
     two = {**one, "dg": [summary(DG), summary(DG)]}
     assert "(has 2): dg 2 runs" in by_target(claims.check(K3, two, identical={"sft"}))[1]["detail"]
+    # two runs that disagree: the runs needed follow the spread measured between them
+    apart = {**one, "dg": [summary(DG), summary([1] * 14 + [0] * 26)]}  # 0.75 and 0.35: SD 28.3 pts, +30 pts
+    sd = math.sqrt(((0.75 - 0.55) ** 2 + (0.35 - 0.55) ** 2) / 1)
+    need = claims.runs_to_resolve(0.30, sd)
+    assert need == math.ceil((1.96 * sd / 0.30) ** 2) == 4
+    assert f"a 30.0-pt gap needs {need} runs at a run-to-run SD of {100 * sd:.1f} pts (measured here)" in \
+        by_target(claims.check(K3, apart, identical={"sft"}))[1]["detail"]
     three = {**one, "dg": [summary(DG)] * 3}
     assert by_target(claims.check(K3, three, identical={"sft"}))[1]["status"] == MET
     # three runs whose mean falls short of SFT + 10 decide it the other way
@@ -257,7 +265,8 @@ def test_the_report_states_each_claim_for_the_collection(tmp_path):
     md = (run_dir(exp) / "results.md").read_text()
     # sft trains no update and evaluates greedily: its one run counts as repeated, dg's does not
     assert "1. **undecided**: dg, no online real transition, >= sft + 10 pts, paired interval above 0. needs >= 3 " \
-           "runs per regime (has 1): dg 1 run; so far met: " in md
+           "runs per regime (has 1): dg 1 run; a 50.0-pt gap needs 3 runs at a run-to-run SD of 18.0 pts (the CPU " \
+           "preset's); so far met: " in md
 
 
 def test_a_regime_whose_settings_changed_is_not_reported_with_its_old_run(tmp_path):

@@ -157,6 +157,22 @@ def _versus(a_name: str, a: list[dict], b_name: str, b: list[dict]) -> tuple[Pai
     return d, text, figures
 
 
+def run_sd(*sides: list[dict]) -> float | None:
+    """The largest run-to-run standard deviation of held-out success among the sides with two runs or more."""
+    sds = [math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
+           for side in sides if len(r := _rates(side)) > 1 for m in [sum(r) / len(r)]]
+    return max(sds) if sds else None
+
+
+def needed_for(gap: float, floor: int, *sides: list[dict]) -> str:
+    """'; a 7.5-pt gap needs 23 runs at a run-to-run SD of 18.0 pts (the CPU preset's)': the runs a regime that
+    would resolve it (`runs_to_resolve`, never below `floor`), at the spread measured among `sides`' runs."""
+    measured = run_sd(*sides)
+    sd, where = (measured, "measured here") if measured else (RUN_SD, "the CPU preset's")
+    n = max(floor, runs_to_resolve(abs(gap), sd))
+    return f"; a {100 * abs(gap):.1f}-pt gap needs {n} run{'s' * (n > 1)} at a run-to-run SD of {100 * sd:.1f} pts ({where})"
+
+
 def _needs(*roles: tuple[str, list[dict]]) -> str:
     """Why a claim is not run: the regimes it compares that have no finished run (or no regime named)."""
     return "needs " + " and ".join(name or "a regime named for it" for name, runs in roles if not runs)
@@ -178,13 +194,15 @@ def check(roles: Roles, summaries: dict[str, list[dict]], identical: Collection[
     def short(*names: str) -> list[tuple[str, int]]:
         return [(n, len(of(n))) for n in names if of(n) and n not in identical and len(of(n)) < k]
 
-    def decided(status: str, detail: str, *names: str) -> tuple[str, str]:
-        """`status`, or undecided (saying why) where a regime compared has fewer than k runs."""
+    def decided(status: str, detail: str, *names: str, gap: float | None = None) -> tuple[str, str]:
+        """`status`, or undecided (saying why) where a regime compared has fewer than k runs; then, for a
+        difference `gap`, how many runs would resolve it at the run-to-run spread (`needed_for`)."""
         few = short(*names)
         if not few or status == NOT_RUN:
             return status, detail
         return UNDECIDED, (f"needs >= {k} runs per regime (has {min(n for _, n in few)}): "
                            + ", ".join(f"{name} {n} run{'s' * (n > 1)}" for name, n in few)
+                           + (needed_for(gap, k, *(of(n) for n in names)) if gap else "")
                            + f"; so far {status}: {detail}")
 
     dg, sft, real, s2r = of(roles.dreamgym), of(roles.sft), of(roles.real), of(roles.s2r)
@@ -199,7 +217,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]], identical: Collection[
         online = _online_real(runs)
         ok = d.diff >= SFT_MARGIN - 1e-9 and d.ci_low > 0 and online == 0
         status, detail = decided(MET if ok else NOT_MET, f"{vs}; {online:.0f} online real transitions",
-                                 name, roles.sft)
+                                 name, roles.sft, gap=d.diff)
         return _claim(target, text, status, detail, **figures)
 
     out.append(claim_1(1, roles.dreamgym, dg, ""))
@@ -214,7 +232,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]], identical: Collection[
         ratio = _rate(dg) / _rate(real) if _rate(real) > 0 else float("inf")
         d, vs, figures = _versus(roles.dreamgym, dg, roles.real, real)
         status, detail = decided(MET if ratio >= REAL_RATIO - 1e-9 else NOT_MET,
-                                 f"{ratio:.2f}x; paired {vs}", roles.dreamgym, roles.real)
+                                 f"{ratio:.2f}x; paired {vs}", roles.dreamgym, roles.real, gap=d.diff)
         out.append(_claim(2, text, status, detail, ratio=ratio, **figures))
 
     text = f"{roles.s2r or 'sim-to-real'} > {roles.real or 'real-environment RL'} with <= " \
@@ -230,7 +248,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]], identical: Collection[
             "level" if d.diff == 0 else "below"
         status, detail = decided(MET if ok else NOT_MET,
                                  f"{vs} ({interval}); {mine:.0f} real transitions, {100 * share:.1f} % of "
-                                 f"{roles.real}'s {theirs:.0f}", roles.s2r, roles.real)
+                                 f"{roles.real}'s {theirs:.0f}", roles.s2r, roles.real, gap=d.diff)
         out.append(_claim(3, text, status, detail, share=share, **figures))
 
     text = f"each ablation ({', '.join(roles.ablations) or 'none named'}) below {roles.dreamgym or 'DreamGym'}"
