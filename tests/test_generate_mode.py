@@ -195,6 +195,32 @@ async def test_expert_turns_lay_out_tokens_as_the_worker_does(tok):
     assert expert_reply("go east", "why", False) == "<action>go east</action>"
 
 
+async def test_in_dreamgym_mexp_gets_the_matched_action_and_never_an_invalid_reply(tok):
+    from actors.envs.base import AbstractState
+    from infra.config import SimulatorConfig
+    from simulator.experience_model import ExperienceModel
+    from simulator.synthetic_env import SyntheticEnv
+    from tests.test_experience_model import ScriptedClient
+
+    rung = [AbstractState(f"Rung {i} of 2", [(1, "climb up"), (2, "climb down")]).render() for i in range(3)]
+    mexp = ScriptedClient([f"moved</think><state>\n{rung[1]}\n</state><reward>0</reward><done>false",
+                           f"moved</think><state>\n{rung[2]}\n</state><reward>1</reward><done>true"])
+    env = SyntheticEnv(ExperienceModel(mexp, None, SimulatorConfig(retrieval=False), tok), max_steps=6)
+    replies = [("<action>Climb  Up.</action>", "stop", False), ("<action>jump</action>", "stop", False),
+               ("<think>again</think><action>\"climb up\"</action>", "stop", False)]
+    task = Task(task_id="s1", instruction="climb", initial_state=rung[0])
+    pol = policy(CannedClient(tok, replies), tok, free_text_actions=True)  # the synthetic env takes no free text
+
+    async def choose(task, state, candidates, history):
+        return await pol.act(task, state, candidates, history, task.task_id)
+
+    traj = await run_episode(env, task, choose, 6, env_kind="synthetic")
+    assert traj.success and [(s.action, s.invalid_reason) for s in traj.steps] == \
+        [("climb up", ""), ("", NOT_ADMISSIBLE), ("climb up", "")]
+    assert len(mexp.prompts) == 2 and all("jump" not in p for p in mexp.prompts)
+    assert traj.steps[0].reasoning == "moved" and traj.steps[1].next_state == traj.steps[1].state
+
+
 async def test_a_rollout_worker_survives_any_reply_and_counts_it(tok, redis_url):
     from actors.rollout_worker import RolloutWorker
     from infra.schema import Trajectory, decode_as
