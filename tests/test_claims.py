@@ -204,8 +204,8 @@ def test_roles_are_validated_against_the_regimes():
     with pytest.raises(ConfigError, match="'nope' is not one of the regimes"):
         Roles.parse({"dreamgym_faithful": "nope"}, ["dg"], "x.yaml: claims")
     assert Roles.parse({"dreamgym": "dg"}, ["dg"], "x").repeats_needed == 3  # the default floor
-    for shipped in ("textworld_cpu", "textworld_gpu", "miniwob_cpu"):  # every shipped preset names its roles
-        roles = load_experiment(f"configs/experiments/{shipped}.yaml").roles
+    for shipped in ("textworld_cpu", "textworld_gpu", "miniwob_cpu", "textworld_long", "alfworld_cpu"):
+        roles = load_experiment(f"configs/experiments/{shipped}.yaml").roles  # every shipped preset names its roles
         assert roles is not None and roles.dreamgym == "dreamgym_grpo" and roles.s2r == "dreamgym_s2r"
         # claim 1 is checked on the paper-faithful regime too, and every claim on at least 3 runs a regime
         assert roles.dreamgym_faithful == "no_replay" and roles.repeats_needed >= 3
