@@ -310,6 +310,9 @@ class ActorsConfig:
     autoscale_max_workers: int = _f(8, "Upper bound for autoscaling.", POSITIVE)
     real_transitions: int = _f(0, "Exact budget of real-environment transitions the rollout workers may take (env_kind=real); when it is spent, the run trains on what it collected and stops. 0 = no limit (counted all the same).", NON_NEGATIVE)
     max_trajectory_backlog: int = _f(256, "Backpressure: a rollout worker takes no new task while more than this many trajectories wait on the trajectory stream undelivered to the learner (it polls with backoff, counted in rollout_backpressure_wait_seconds_total); groups already running still push. Entries the learner holds pending until its checkpoint do not count: they only clear after the updates that need new trajectories. 0 = no bound.", NON_NEGATIVE)
+    env_isolation: bool = _f(True, "Real environments run each in a supervised child process (actors/envs/env_process.py): a crash (exit, signal, segfault) or a hang costs that episode only, recorded as env_error with timings['env_error'] = env_crash or env_timeout, and the process is replaced. false = in this process (one bad game can end it); the synthetic environment always runs in process.")
+    env_step_timeout_s: float = _f(60.0, "env_isolation: seconds a real environment's reset or step may take before its process is killed and the episode ends as env_timeout.", POSITIVE)
+    env_max_crashes: int = _f(2, "env_isolation: crashes or hangs of one task (by game file, else task id) after which its resets are refused (env_refused) and the task is named in the log; 0 = never refuse.", NON_NEGATIVE)
 
 
 @dataclass

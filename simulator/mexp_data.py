@@ -83,9 +83,9 @@ def build_examples(trajs: list[Trajectory], tokenizer: Any, cfg: SimulatorConfig
     """One example per step, its prompt built exactly as ExperienceModel builds it.
 
     Steps whose real next state the strict parser would reject (no numbered items)
-    are left out.
+    are left out, and so are generate-mode invalid replies (the environment never saw them).
     """
-    steps = [(traj, i) for traj in trajs for i in range(len(traj.steps))]
+    steps = [(traj, i) for traj in trajs for i in range(len(traj.steps)) if not traj.steps[i].invalid_reason]
     retrieved: list[list[Transition]] = [[] for _ in steps]
     if cfg.retrieval and buffer is not None and cfg.top_k > 0:
         # One batched query per episode: its own transitions excluded.
@@ -100,7 +100,7 @@ def build_examples(trajs: list[Trajectory], tokenizer: Any, cfg: SimulatorConfig
     for (traj, i), hits in zip(steps, retrieved):
         s = traj.steps[i]
         task = task_of(traj)
-        history = [p.action for p in traj.steps[:i]]
+        history = [p.action for p in traj.steps[:i] if not p.invalid_reason]
         msgs = prompts.step_messages(task, history, hits, s.state, s.action, reasoning=cfg.reasoning,
                                      history_window=cfg.history_window, state_chars=cfg.state_chars)
         truth = MexpOutput(s.reasoning, s.next_state, float(s.reward), bool(s.done))

@@ -49,6 +49,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from rich.console import Console
 
+from actors.envs.env_process import Isolation
 from actors.evaluate import choice_policy_chooser, evaluate
 from actors.policy import Policy
 from infra import metrics
@@ -350,10 +351,15 @@ async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, cons
     chooser = choice_policy_chooser(Policy.from_config(cfg.actors, svc.policy, svc.tokenizer, temperature=ev.temperature,
                                                             seed=cfg.infra.seed))
     t0 = time.perf_counter()
-    with svc.engine_threads("policy", ev.engine_threads):
-        result = await evaluate(chooser, tasks, cfg.actors.env_family, max_steps=ev.max_steps or cfg.data.max_steps,
-                                episodes_per_task=ev.episodes, concurrency=min(ev.concurrency, max(1, len(tasks))),
-                                policy_name=label)
+    iso = Isolation.from_config(cfg.actors)  # each environment in a supervised child process
+    try:
+        with svc.engine_threads("policy", ev.engine_threads):
+            result = await evaluate(chooser, tasks, cfg.actors.env_family, max_steps=ev.max_steps or cfg.data.max_steps,
+                                    episodes_per_task=ev.episodes, concurrency=min(ev.concurrency, max(1, len(tasks))),
+                                    policy_name=label, isolation=iso)
+    finally:
+        if iso is not None:
+            iso.close()
     d = result.to_dict()
     artifacts.say(console, f"held-out real {cfg.actors.env_family} ({label}): success {d['success_rate']:.3f} "
                            f"on {d['episodes']} episodes ({time.perf_counter() - t0:.0f} s)")
