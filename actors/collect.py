@@ -33,23 +33,25 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from actors.dataset import offline_settings, splits_path, trajectories_path, write_stamp, write_trajectories
+from actors.envs.env_process import Isolation
 from actors.envs.expert import make_chooser
 from actors.envs.miniwob_env import browsers_that_fit
 from actors.envs.registry import load_or_make_splits, make_env
 from actors.episode import run_episode
 from infra.config import ConfigError, add_config_arguments, config_from_args
-from infra.schema import Task, Trajectory, decode_as, encode, from_fields
+from infra.schema import Status, Task, Trajectory, decode_as, encode, from_fields
 
 log = logging.getLogger(__name__)
 
 
 def _collect_one_task(family: str, task_d: dict, policies: list[str], episodes: int, eps: float, max_steps: int,
-                      seed: int) -> list[bytes]:
-    """Worker-process entry: every (policy, episode) of one task on one fresh environment."""
+                      seed: int, isolation: dict | None = None) -> list[bytes]:
+    """Worker-process entry: every (policy, episode) of one task on one fresh environment
+    (`isolation`: Isolation's settings; the environment runs in a child of this worker process)."""
     task = from_fields(Task, task_d)
 
     async def go() -> list[bytes]:
-        env = make_env(family, max_steps=max_steps)
+        env = make_env(family, isolation=iso, max_steps=max_steps)
         out = []
         try:
             for p_i, policy in enumerate(policies):
@@ -63,16 +65,25 @@ def _collect_one_task(family: str, task_d: dict, policies: list[str], episodes: 
             await env.close()
         return out
 
-    return asyncio.run(go())
+    iso = Isolation(**isolation) if isolation is not None else None
+    try:
+        return asyncio.run(go())
+    finally:
+        if iso is not None:
+            iso.close()
 
 
 def collect(family: str, tasks: list[Task], policies: list[str], episodes: int, eps: float, max_steps: int,
-            workers: int, seed: int = 0, progress: Any = None) -> list[Trajectory]:
-    """Collect in `workers` processes; returns the trajectories in task order."""
+            workers: int, seed: int = 0, progress: Any = None, isolation: Isolation | None = None,
+            bad_tasks: list | None = None) -> list[Trajectory]:
+    """Collect in `workers` processes; returns the trajectories in task order. Episodes whose environment
+    crashed, hung or was refused (env_error) are left out; `bad_tasks` (a list) gets one entry per such task."""
+    iso = None if isolation is None else {"step_timeout_s": isolation.step_timeout_s,
+                                          "max_crashes": isolation.max_crashes}
     results: dict[int, list[Trajectory]] = {}
     ctx = mp.get_context("spawn")  # selenium and TextWorld threads do not survive fork
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(tasks) or 1)), mp_context=ctx) as pool:
-        futs = {pool.submit(_collect_one_task, family, asdict(t), policies, episodes, eps, max_steps, seed): i
+        futs = {pool.submit(_collect_one_task, family, asdict(t), policies, episodes, eps, max_steps, seed, iso): i
                 for i, t in enumerate(tasks)}
         for fut in as_completed(futs):
             i = futs[fut]
@@ -83,6 +94,13 @@ def collect(family: str, tasks: list[Task], policies: list[str], episodes: int, 
                 results[i] = []
             if progress is not None:
                 progress(len(results[i]) or len(policies) * episodes)
+    if bad_tasks is not None:
+        for i in sorted(results):
+            reasons = sorted({str(t.timings.get("env_error", "env_exception")) for t in results[i]
+                              if t.status == Status.ENV_ERROR})
+            if reasons or not results[i]:
+                bad_tasks.append({"task_id": tasks[i].task_id, "game_file": tasks[i].game_file,
+                                  "reason": ",".join(reasons) or "failed"})
     # An episode whose env crashed before its first step has nothing to learn from.
     return [t for i in sorted(results) for t in results[i] if t.steps]
 
@@ -167,9 +185,11 @@ def run(args: argparse.Namespace) -> int:
     total = len(tasks) * len(policies) * cfg.data.episodes_per_task
     with Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
         bar = prog.add_task("episodes", total=total)
+        bad: list[dict] = []
         trajs = collect(args.family, tasks, policies, cfg.data.episodes_per_task, cfg.data.noise_eps,
                         cfg.data.max_steps, workers, seed=cfg.infra.seed,
-                        progress=lambda n: prog.advance(bar, n))
+                        progress=lambda n: prog.advance(bar, n), isolation=Isolation.from_config(cfg.actors),
+                        bad_tasks=bad)
     if cfg.data.teacher_endpoint:
         n, errors = asyncio.run(_teacher_rationales(trajs, cfg.data.teacher_endpoint, cfg.data.teacher_model,
                                                     timeout_s=cfg.engines.request_timeout_s))
@@ -187,4 +207,6 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(r["policy"], str(r["episodes"]), str(r["transitions"]), f"{r['success']:.3f}", f"{r['invalid']:.3f}")
     console.print(table)
     console.print(f"trajectories: {out}")
+    for b in bad:  # named, after the rest were collected and written
+        console.print(f"bad task: {b['task_id']} {b['game_file']} ({b['reason']})", markup=False)
     return 0

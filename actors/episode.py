@@ -125,6 +125,7 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
     versions: list[int] = []
     t0, t_policy, t_env = time.monotonic(), 0.0, 0.0
     in_env = True  # whether the awaited call that raised was the environment's
+    env_reason = ""  # env_error: why (actors/envs/env_process.py: env_crash, env_timeout, env_refused)
     metrics.ROLLOUT_INFLIGHT_EPISODES.inc()
     try:
         state, info = await env.reset(task)
@@ -175,6 +176,7 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
         if not (in_env and kind == EnvKind.REAL):
             raise
         traj.status = Status.ENV_ERROR
+        env_reason = str(getattr(exc, "reason", "") or "env_exception")
         metrics.ENV_ERRORS.labels(family).inc()
         log.warning("episode of %s: the environment crashed: %s: %s", task.task_id, type(exc).__name__,
                     str(exc)[:300])
@@ -183,6 +185,8 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
     traj.success = traj.status == Status.SUCCESS
     traj.policy_version = min(versions) if versions else policy_version
     traj.timings = {"policy": t_policy, "env": t_env, "total": time.monotonic() - t0}
+    if env_reason:
+        traj.timings["env_error"] = env_reason
     metrics.ROLLOUT_EPISODES.labels(kind.value, traj.status.value).inc()
     metrics.ROLLOUT_EPISODE_SECONDS.labels(kind.value).observe(traj.timings["total"])
     return traj

@@ -10,6 +10,11 @@ real success before and after training; the learner's `Policy` plugs in through
 Fixed seeds: TextWorld games are deterministic given the file; a MiniWoB page is
 reset with the task's seed; scripted choosers are seeded. Tasks are run in order,
 one episode each by default, on `concurrency` environments.
+
+A bad task costs itself only: game files are checked when loaded and a bad one is named and not
+played; each environment runs in a supervised child process (`actors.env_isolation`,
+actors/envs/env_process.py), so a crash or hang ends that episode as env_error with its reason.
+The report's `bad_tasks` names them all, and the command exits EXIT_BAD_TASKS (3) when there are any.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.confidence import wilson_interval
+from actors.envs.env_process import Isolation
 from actors.envs.expert import PerTaskChooser
 from actors.envs.registry import load_or_make_splits, make_env, tasks_from_spec
 from actors.episode import Chooser, run_episode
@@ -36,6 +42,12 @@ from infra.engine.models import load_tokenizer
 from infra.engine.server import start_embedded_engine
 from infra.schema import Status, Task, Trajectory
 from learner.weights import resolve_model
+
+
+# `dreamgym eval`'s exit status when the report is written but some tasks were not played to an end (a game
+# file refused when loaded; an environment that crashed, hung or was refused): the report's bad_tasks names them.
+# 0: every task played; 1: the command failed (no report); 2: a usage error.
+EXIT_BAD_TASKS = 3
 
 
 @dataclass
@@ -52,6 +64,9 @@ class EvalReport:
     env_errors: int
     seconds: float
     per_task: list = field(default_factory=list)  # [{task_id, success, steps, invalid, status, family, plan_length}]
+    # tasks not played to an end: refused when loaded (a bad game file) or whose environment crashed, hung or
+    # was refused (env_error): [{task_id, game_file, reason, detail}]
+    bad_tasks: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,16 +83,21 @@ def summarize(trajs: Sequence[Trajectory], family: str, policy: str, seconds: fl
             # what the results table's slices read (infra/run/generalisation.py): the task's family and the
             # expert's plan length from its start, where the task records one
             "family": t.task.family if t.task else "",
-            "plan_length": t.task.meta.get("plan_length") if t.task else None} for t in trajs]
+            "plan_length": t.task.meta.get("plan_length") if t.task else None,
+            "env_error": str(t.timings.get("env_error", "")) if t.status == Status.ENV_ERROR else ""} for t in trajs]
+    bad = [{"task_id": t.task_id, "game_file": t.task.game_file if t.task else "",
+            "reason": str(t.timings.get("env_error", "env_exception")), "detail": ""}
+           for t in trajs if t.status == Status.ENV_ERROR]
     return EvalReport(family, policy, n, k, k / n if n else 0.0, lo, hi, n_steps / n if n else 0.0,
                       invalid / n_steps if n_steps else 0.0, sum(t.status == Status.ENV_ERROR for t in trajs),
-                      seconds, per)
+                      seconds, per, bad)
 
 
 async def evaluate(policy_fn: Chooser, tasks: Sequence[Task], family: str, max_steps: int = 20,
                    episodes_per_task: int = 1, concurrency: int = 1, policy_name: str = "policy",
-                   env_kwargs: dict | None = None, on_episode: Any = None) -> EvalReport:
-    """Run `policy_fn` on each task (`episodes_per_task` times) in real `family` environments."""
+                   env_kwargs: dict | None = None, on_episode: Any = None, isolation: Any = None) -> EvalReport:
+    """Run `policy_fn` on each task (`episodes_per_task` times) in real `family` environments
+    (`isolation`: each in a supervised child process, actors/envs/env_process.py; None = in this one)."""
     t0 = time.perf_counter()
     jobs: asyncio.Queue = asyncio.Queue()
     order = [(i, task) for task in tasks for i in range(episodes_per_task)]
@@ -86,7 +106,7 @@ async def evaluate(policy_fn: Chooser, tasks: Sequence[Task], family: str, max_s
     results: list[Trajectory | None] = [None] * len(order)
 
     async def worker(w: int) -> None:
-        env = make_env(family, max_steps=max_steps, **(env_kwargs or {}))
+        env = make_env(family, isolation=isolation, max_steps=max_steps, **(env_kwargs or {}))
         try:
             while not jobs.empty():
                 j, (_i, task) = jobs.get_nowait()
@@ -176,6 +196,12 @@ def run(args: argparse.Namespace) -> int:
         tasks = splits.heldout if args.split == "heldout" else splits.train
     if args.limit:
         tasks = tasks[: args.limit]
+    refused = [t for t in tasks if t.meta.get("refused")]  # bad game files: named now, never played
+    for t in refused:
+        print(f"refused: {t.meta['refused']}", flush=True)
+    tasks = [t for t in tasks if not t.meta.get("refused")]
+
+    iso = Isolation.from_config(cfg.actors)
 
     async def go() -> EvalReport:
         if args.policy in ("expert", "random", "noisy"):
@@ -186,15 +212,26 @@ def run(args: argparse.Namespace) -> int:
             scripted = args.policy in ("expert", "random", "noisy")
             return await evaluate(chooser, tasks, args.family, max_steps=cfg.evaluation.max_steps or cfg.data.max_steps,
                                   episodes_per_task=args.episodes, concurrency=cfg.data.workers if scripted else 1,
-                                  policy_name=args.policy)
+                                  policy_name=args.policy, isolation=iso)
         finally:
+            if iso is not None:
+                iso.close()
             if cleanup is not None:
                 await cleanup()
 
-    report = asyncio.run(go())
+    report = asyncio.run(go()) if tasks else summarize([], args.family, args.policy)
+    report.bad_tasks = [{"task_id": t.task_id, "game_file": t.game_file, "reason": "refused_at_load",
+                         "detail": str(t.meta["refused"])} for t in refused] + report.bad_tasks
     out = Path(args.out or Path(cfg.infra.run_dir) / "eval" / f"{args.family}-{args.policy}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report.to_dict(), indent=1))
     print_report(report)
+    named: dict[tuple, int] = {}
+    for b in report.bad_tasks:  # one line per task and reason, with its count of episodes
+        k = (b["task_id"], b["game_file"], b["reason"], b["detail"])
+        named[k] = named.get(k, 0) + 1
+    for (task_id, game_file, reason, detail), n in named.items():
+        print(f"bad task: {task_id} {game_file} ({reason}{', ' + str(n) + ' episodes' if n > 1 else ''})"
+              + (f": {detail}" if detail else ""))
     print(f"report: {out}")
-    return 0
+    return EXIT_BAD_TASKS if report.bad_tasks else 0

@@ -183,3 +183,10 @@ def serve_metrics(port: int, addr: str = "127.0.0.1", registry: CollectorRegistr
     """Expose `registry` (this process's) as /metrics on `addr:port` (0 picks a free port)."""
     server, thread = start_http_server(port, addr=addr, registry=registry)
     return MetricsServer(server, thread)
+
+# --- real environments out of process (actors/envs/env_process.py) ---
+ENV_PROCESS_FAILURES = Counter("env_process_failures_total", "Real environment child processes lost during a call "
+                               "(reason: env_crash, env_timeout); each is replaced at the next reset.",
+                               ["family", "reason"])
+ENV_TASKS_REFUSED = Counter("env_tasks_refused_total", "Resets refused without a child: the task crashed or hung its "
+                            "environment actors.env_max_crashes times.", ["family"])

@@ -47,6 +47,7 @@ from actors.envs.alfworld_problems import make_alfworld_tasks
 from actors.envs.alfworld_problems import tasks_from_games as alfworld_tasks
 from actors.envs.base import Environment
 from actors.envs.browsergym_env import BrowserGymEnv, make_browsergym_tasks
+from actors.envs.env_process import EnvProcess
 from actors.envs.miniwob_env import MiniWoBEnv, make_miniwob_tasks
 from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
 from actors.envs.textworld_grammar import consistent_actions as textworld_actions
@@ -154,9 +155,14 @@ def canonical_family(family: str) -> str:
         return family.strip()
 
 
-def make_env(family: str, **kw: Any) -> Environment:
-    """A fresh real environment of `family` (keyword arguments go to its constructor, e.g. max_steps)."""
+def make_env(family: str, isolation: Any = None, **kw: Any) -> Environment:
+    """A fresh real environment of `family` (keyword arguments go to its constructor, e.g. max_steps).
+
+    `isolation` (actors/envs/env_process.Isolation, from `actors.env_isolation`): the environment runs in
+    a supervised child process, so its crash or hang costs one episode; None = in this process."""
     kind = canonical_family(family)
+    if isolation is not None:
+        return EnvProcess(family, isolation, **kw)
     if kind == "textworld":
         return TextWorldEnv(**kw)
     if kind == "alfworld":

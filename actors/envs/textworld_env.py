@@ -40,6 +40,7 @@ from typing import Any
 from actors.dataset import TaskSplits
 from actors.envs.base import (AbstractState, ActionFormatError, LockedThreadCore, StepResult, invalid_observation,
                               parse_action)
+from actors.envs.env_process import EnvProcess, EnvProcessError, Isolation
 from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
 from infra.schema import Task
 
@@ -76,6 +77,55 @@ class GameGenerationError(RuntimeError):
     """tw-make failed for a family and seed."""
 
 
+class GameFileError(ValueError):
+    """A game file that cannot be played: missing, corrupt, truncated, or without the .json tw-make writes beside it."""
+
+    reason = "bad_game_file"  # what an episode that meets one records (actors/episode.py)
+
+
+# Z-machine header (the Z-Machine Standard 1.1, section 11): byte 0 is the version (1-8); the word at 0x1A
+# is the file's length divided by 2 (versions 1-3), 4 (4-5) or 8 (6-8); the header is 64 bytes.
+_ZHEADER_BYTES = 64
+_ZLENGTH_SCALE = {1: 2, 2: 2, 3: 2, 4: 4, 5: 4, 6: 8, 7: 8, 8: 8}
+
+
+def game_file_problem(path: str | Path) -> str | None:
+    """Why the game at `path` cannot be played, in one line naming it, or None when it passes the check.
+
+    The check reads the header only: a .z8 (any Z-machine version) must have a version byte of 1..8 and at
+    least the length its header states; a .ulx starts with Glulx's magic; both need the .json that
+    tw-make writes beside them (textworld.start reads the quest from it). TextWorld's interpreter calls
+    exit() from C on a bad version byte, so this is checked before any game is opened."""
+    p = Path(path)
+    if not p.is_file():
+        return f"{p}: no such game file"
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(_ZHEADER_BYTES)
+    if p.suffix == ".ulx":
+        if head[:4] != b"Glul":
+            return f"{p}: not a Glulx game (no 'Glul' magic at its start)"
+    else:
+        if len(head) < _ZHEADER_BYTES:
+            return f"{p}: truncated ({size} bytes, shorter than a Z-machine header)"
+        version = head[0]
+        if version not in _ZLENGTH_SCALE:
+            return f"{p}: not a Z-machine game (version byte {version}, expected 1..8)"
+        declared = int.from_bytes(head[0x1A:0x1C], "big") * _ZLENGTH_SCALE[version]
+        if declared and size < declared:
+            return f"{p}: truncated ({size} bytes; its header says {declared})"
+    if not p.with_suffix(".json").is_file():
+        return f"{p}: no {p.with_suffix('.json').name} beside it (tw-make writes one; TextWorld reads the quest from it)"
+    return None
+
+
+def check_game_file(path: str | Path) -> None:
+    """Raise GameFileError, naming the file, unless `game_file_problem` finds nothing."""
+    problem = game_file_problem(path)
+    if problem is not None:
+        raise GameFileError(problem)
+
+
 def _tw_make() -> str:
     exe = Path(sys.executable).with_name("tw-make")
     return str(exe) if exe.exists() else (shutil.which("tw-make") or "tw-make")
@@ -86,8 +136,8 @@ def generate_game(family: str, seed: int, games_dir: str | Path) -> Path:
     if family not in FAMILY_ARGS:
         raise ValueError(f"unknown TextWorld family {family!r}; expected one of {sorted(FAMILY_ARGS) + list(FAMILY_ALIASES)}")
     out = Path(games_dir) / f"{family}-s{seed}.z8"
-    if out.exists() and out.stat().st_size > 0:
-        return out
+    if out.exists() and game_file_problem(out) is None:
+        return out  # a cached game that fails the load-time check (truncated, corrupt) is made again
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.stem}.tmp.z8")  # rename at the end: a crash never leaves half a game
     cmd = [_tw_make(), *FAMILY_ARGS[family], "--seed", str(seed), "--output", str(tmp), "--silent", "-f"]
@@ -130,31 +180,53 @@ def make_textworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, fam
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # tw-make runs as a subprocess
         paths = list(pool.map(lambda p: generate_game(p[1], p[2], games_dir), plan))
     tasks = tasks_from_games(paths, [(fam, s) for _split, fam, s in plan])
+    if refused_games(tasks):  # generated here and checked: a bad one is a broken install, not a bad input
+        raise GameFileError("; ".join(refused_games(tasks)))
     return TaskSplits(train=[t for t, p in zip(tasks, plan) if p[0] == "train"],
                       heldout=[t for t, p in zip(tasks, plan) if p[0] == "heldout"])
 
 
-def tasks_from_games(paths: list[Path], origins: list[tuple[str, int]] | None = None) -> list[Task]:
+def tasks_from_games(paths: list[Path], origins: list[tuple[str, int]] | None = None,
+                     isolated: bool = True) -> list[Task]:
     """One Task per game file, its instruction and initial state read off a reset.
 
     `origins` gives each game's (family, seed) when it was generated here; any other
-    game (a user's own, `dreamgym eval --tasks DIR`) is named after its file."""
-    env = TextWorldEnv()
+    game (a user's own, `dreamgym eval --tasks DIR`) is named after its file. Each file is
+    checked first (`game_file_problem`), and the resets run in one supervised child process
+    (actors/envs/env_process.py; `isolated=False`: in this one), so a game that makes the
+    interpreter exit costs that game only. A game that fails either way is still returned,
+    with `meta["refused"]`: one line naming its file and why (`dreamgym eval --tasks` reports
+    it and plays the rest; `make_textworld_tasks` raises)."""
+    env: Any = EnvProcess("textworld", Isolation(max_crashes=0), max_steps=1) if isolated else TextWorldEnv()
     tasks = []
     try:
         for i, path in enumerate(paths):
             fam, s = origins[i] if origins else ("textworld", 0)
             task_id = f"{fam}-s{s}" if origins else Path(path).stem
             task = Task(task_id=task_id, instruction="", family=fam, game_file=str(path), seed=s)
-            state, _info = env.reset_sync(task)
-            task.instruction = env.objective
-            task.initial_state = state
-            # the expert's plan from the start: the results table's "longer than training" slice reads it
-            task.meta["plan_length"] = len(env._gs.policy_commands or [])
+            problem = game_file_problem(path)
+            if problem is None:
+                try:
+                    state, info = env.reset_sync(task)
+                    task.instruction = str(info.get("objective") or "")
+                    task.initial_state = state
+                    # the expert's plan from the start: the results table's "longer than training" slice reads it
+                    task.meta["plan_length"] = int(info.get("plan_length") or 0)
+                except (EnvProcessError, GameFileError) as exc:
+                    problem = str(exc)
+                except Exception as exc:  # in process: whatever the game engine raised on this file
+                    problem = f"{path}: {type(exc).__name__}: {exc}"
+            if problem is not None:
+                task.meta["refused"] = problem[:500]
             tasks.append(task)
     finally:
         env.close_sync()
     return tasks
+
+
+def refused_games(tasks: list[Task]) -> list[str]:
+    """The one-line reasons of the tasks `tasks_from_games` refused."""
+    return [str(t.meta["refused"]) for t in tasks if t.meta.get("refused")]
 
 
 def _humanize_fact(fact: str) -> str:
@@ -350,15 +422,18 @@ class TextWorldEnv(LockedThreadCore):
                 "expert_action": plan[0] if plan and not self.done else None, "steps": self.steps, **extra}
 
     def reset_sync(self, task: Task) -> tuple[str, dict[str, Any]]:
-        if not task.game_file or not Path(task.game_file).exists():
-            raise FileNotFoundError(f"TextWorld game file {task.game_file!r} of task {task.task_id} does not exist")
+        if not task.game_file:
+            raise GameFileError(f"task {task.task_id} names no TextWorld game file")
+        check_game_file(task.game_file)
         self._open(task.game_file)
         self._gs = self._env.reset()
         self.objective = self._gs.objective or task.instruction
         self.win = [str(f) for quest in (self._gs.win_facts or []) if quest for f in quest[0]]
         self.steps, self.invalid, self.done = 0, 0, False
         ENV_RESETS.labels(family="textworld").inc()
-        return self._observe(), self._info(True)
+        # the task's instruction and the expert's plan length, for `tasks_from_games` (run in a child process)
+        return self._observe(), self._info(True, objective=self.objective,
+                                           plan_length=len(self._gs.policy_commands or []))
 
     def _resolve(self, action: str) -> str | None:
         """The admissible command an action names, or None."""

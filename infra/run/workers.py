@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 import redis.asyncio as aioredis
 
+from actors.envs.env_process import Isolation
 from actors.envs.registry import make_env
 from actors.policy import Policy
 from actors.rollout_worker import EnvFactory, RolloutWorker
@@ -65,7 +66,9 @@ def make_env_factory(cfg: Config, experience_model: Callable[[], Any]) -> EnvFac
     """Fresh environments for the workers of one process: synthetic ones share one ExperienceModel,
     built by `experience_model()` on first use; real ones are `actors.env_family` environments."""
     if cfg.actors.env_kind != "synthetic":
-        return functools.partial(make_env, cfg.actors.env_family, max_steps=cfg.actors.max_steps)
+        # one Isolation per process: its EnvProcesses share the crash book that refuses a task crashing again and again
+        return functools.partial(make_env, cfg.actors.env_family, isolation=Isolation.from_config(cfg.actors),
+                                 max_steps=cfg.actors.max_steps)
     mexp = None
 
     def synthetic() -> SyntheticEnv:

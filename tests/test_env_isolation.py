@@ -1,0 +1,133 @@
+"""Real environments out of process (actors/envs/env_process.py, issue 63 part 1): a bad game file is
+refused with its path when loaded, and a crash (exit, SIGSEGV) or a hang of an environment costs its
+episode only, through `dreamgym eval` and `dreamgym collect`, with the rest played and the report written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from actors.dataset import read_trajectories, trajectories_path
+from actors.envs.env_process import EnvProcess, Isolation
+from actors.envs.registry import make_env
+from actors.envs.textworld_env import TextWorldEnv, game_file_problem, generate_game, tasks_from_games
+from actors.evaluate import EXIT_BAD_TASKS
+from infra.config import load_config
+from tests.faulty_env import FAMILY
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "infra.cli"]
+
+
+@pytest.fixture(scope="module")
+def good_game(tmp_path_factory) -> Path:
+    # the games directory of tests/test_envs_textworld.py's data dir: made once a session, shared
+    return generate_game("custom", 0, tmp_path_factory.getbasetemp() / "tw-data" / "textworld" / "games")
+
+
+def _game_dir(tmp_path: Path, good: Path) -> dict[str, Path]:
+    """A directory with the good game and three bad ones beside it (each bad in one way)."""
+    d = tmp_path / "games"
+    d.mkdir()
+    out = {}
+    for name in ("good", "corrupt", "truncated", "nojson"):
+        z8 = d / f"{name}.z8"
+        shutil.copy(good, z8)
+        if name != "nojson":
+            shutil.copy(good.with_suffix(".json"), z8.with_suffix(".json"))
+        out[name] = z8
+    data = bytearray(out["corrupt"].read_bytes())
+    data[0] = 0x4A  # TextWorld's interpreter: "Fatal error: Unknown Z-code version", then exit() from C
+    out["corrupt"].write_bytes(bytes(data))
+    out["truncated"].write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    return out
+
+
+def test_bad_game_files_are_named_in_one_line(tmp_path, good_game):
+    games = _game_dir(tmp_path, good_game)
+    assert game_file_problem(games["good"]) is None
+    corrupt, truncated, nojson = (game_file_problem(games[k]) for k in ("corrupt", "truncated", "nojson"))
+    assert str(games["corrupt"]) in corrupt and "version byte 74" in corrupt
+    assert str(games["truncated"]) in truncated and "truncated" in truncated
+    assert str(games["nojson"]) in nojson and "nojson.json" in nojson
+    assert all("\n" not in p for p in (corrupt, truncated, nojson))
+    assert "no such game file" in game_file_problem(tmp_path / "absent.z8")
+    tiny = tmp_path / "tiny.z8"
+    tiny.write_bytes(b"\x08" * 10)
+    assert "shorter than a Z-machine header" in game_file_problem(tiny)
+
+
+def test_tasks_from_games_reads_the_good_one_in_a_child_and_marks_the_bad(tmp_path, good_game):
+    games = _game_dir(tmp_path, good_game)
+    tasks = {t.task_id: t for t in tasks_from_games(sorted(games.values()))}
+    assert "refused" not in tasks["good"].meta and tasks["good"].instruction and tasks["good"].initial_state
+    assert tasks["good"].meta["plan_length"] > 0
+    for bad in ("corrupt", "truncated", "nojson"):
+        assert str(games[bad]) in tasks[bad].meta["refused"]
+
+
+def test_isolation_is_the_default_and_the_in_process_path_stays(tmp_path):
+    cfg = load_config(None, [])
+    iso = Isolation.from_config(cfg.actors)
+    assert iso is not None and iso.step_timeout_s == cfg.actors.env_step_timeout_s == 60.0
+    assert Isolation.from_config(load_config(None, ["actors.env_isolation=false"]).actors) is None
+    assert isinstance(make_env("textworld", isolation=iso, max_steps=3), EnvProcess)
+    assert isinstance(make_env("textworld", max_steps=3), TextWorldEnv)  # tests and the synthetic env's callers
+
+
+@pytest.mark.slow
+def test_eval_plays_the_good_game_and_names_each_bad_one(tmp_path, good_game):
+    games = _game_dir(tmp_path, good_game)
+    out = tmp_path / "report.json"
+    proc = subprocess.run([*CLI, "eval", "--tasks", str(games["good"].parent), "--out", str(out),
+                           f"infra.run_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == EXIT_BAD_TASKS, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Fatal error" not in proc.stdout + proc.stderr
+    for bad in ("corrupt", "truncated", "nojson"):
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("refused:") and str(games[bad]) in ln)
+        assert {"corrupt": "version byte", "truncated": "truncated", "nojson": "nojson.json"}[bad] in line
+    report = json.loads(out.read_text())
+    assert report["episodes"] == 1 and report["successes"] == 1 and report["per_task"][0]["task_id"] == "good"
+    assert sorted(b["game_file"] for b in report["bad_tasks"]) == sorted(str(games[k]) for k in
+                                                                         ("corrupt", "truncated", "nojson"))
+    assert {b["reason"] for b in report["bad_tasks"]} == {"refused_at_load"}
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+def test_eval_a_crash_a_segfault_and_a_hang_cost_their_episodes_only(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([*CLI, "eval", "--family", FAMILY, "--tasks", "ok-1,exit-1,segv-1,hang-1,ok-2",
+                           "--episodes", "3", "--out", str(out), "actors.env_step_timeout_s=2", "data.workers=1",
+                           f"infra.run_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == EXIT_BAD_TASKS, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    by_task: dict[str, list] = {}
+    for row in report["per_task"]:
+        by_task.setdefault(row["task_id"], []).append((row["status"], row["env_error"]))
+    assert by_task["ok-1"] == by_task["ok-2"] == [("success", "")] * 3
+    # two crashes or hangs each, then the task is refused without a process (actors.env_max_crashes=2)
+    assert by_task["exit-1"] == [("env_error", "env_crash")] * 2 + [("env_error", "env_refused")]
+    assert by_task["segv-1"] == [("env_error", "env_crash")] * 2 + [("env_error", "env_refused")]
+    assert by_task["hang-1"] == [("env_error", "env_timeout")] * 2 + [("env_error", "env_refused")]
+    assert report["successes"] == 6 and report["env_errors"] == 9
+    assert "bad task: hang-1  (env_timeout, 2 episodes)" in proc.stdout
+    assert "killed by SIGSEGV" in proc.stderr
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+def test_collect_writes_the_good_tasks_and_names_the_crashing_ones(tmp_path):
+    proc = subprocess.run([*CLI, "collect", "--family", FAMILY, "--out", str(tmp_path), "data.env_tasks=4",
+                           "data.env_heldout=1", "data.policies=[expert]", "data.episodes_per_task=1",
+                           "data.workers=1", "actors.env_step_timeout_s=2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    trajs = read_trajectories(trajectories_path(tmp_path, FAMILY))
+    assert sorted(t.task_id for t in trajs) == ["ok-1", "ok-2"] and all(t.success for t in trajs)
+    assert "bad task: exit-1  (env_crash)" in proc.stdout and "bad task: hang-1  (env_timeout)" in proc.stdout
