@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -119,9 +120,7 @@ def _env_family_ok(v: str) -> bool:
         for part in attr.split("."):
             obj = getattr(obj, part)  # AttributeError: the check fails
         return True
-    from importlib.metadata import entry_points
-
-    return any(ep.name == f for ep in entry_points(group=ENV_ENTRY_POINTS))
+    return any(ep.name == f for ep in importlib.metadata.entry_points(group=ENV_ENTRY_POINTS))
 
 
 ENV_FAMILY = (_env_family_ok, "one of " + ", ".join(repr(c) for c in BUILTIN_FAMILIES)

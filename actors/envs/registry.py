@@ -46,6 +46,7 @@ from actors.envs.alfworld_problems import GAME_SUFFIX as ALFWORLD_SUFFIX
 from actors.envs.alfworld_problems import make_alfworld_tasks
 from actors.envs.alfworld_problems import tasks_from_games as alfworld_tasks
 from actors.envs.base import Environment
+from actors.envs.gym_adapter import gym_family
 from actors.envs.browsergym_env import BrowserGymEnv, make_browsergym_tasks
 from actors.envs.env_process import EnvProcess
 from actors.envs.miniwob_env import MiniWoBEnv, make_miniwob_tasks
@@ -82,8 +83,6 @@ def plugin_class(family: str) -> type:
     when it cannot be imported or lacks the protocol's methods."""
     spec = family.strip()
     if spec.startswith("gym:"):
-        from actors.envs.gym_adapter import gym_family  # gymnasium, only for gym: families
-
         return gym_family(spec[4:])
     if ":" in spec:
         cls = _import_path(spec)

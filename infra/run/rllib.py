@@ -33,8 +33,17 @@ from rich.console import Console
 
 from actors.envs.gym_wrapper import DreamGymTextEnv, MaskedCandidates
 from actors.envs.registry import load_or_make_splits, make_env
+from infra import metrics
 from infra.config import Config, add_config_arguments, config_from_args, rl_seed
+from infra.engine.client import EngineClient
+from infra.engine.models import load_tokenizer
+from infra.engine.server import default_weights_roots, start_embedded_engine
 from infra.run.artifacts import embedding_cache, mexp_checkpoint, prepare_data, say
+from simulator.embedder import Embedder
+from simulator.experience_model import ExperienceModel
+from simulator.replay_buffer import make_buffer, seed_buffer
+from simulator.reply_memo import ReplyMemo
+from simulator.synthetic_env import SyntheticEnv
 
 _ENVS: dict[str, Callable[[], Any]] = {}  # this process's environment factories, by RLlib env name
 
@@ -44,8 +53,6 @@ def _total(counter: Any) -> float:
 
 
 def _mexp_counts() -> dict:
-    from infra import metrics
-
     return {"simulated": _total(metrics.SIMULATOR_STEPS), "replayed": _total(metrics.SIMULATOR_REPLAYED_STEPS)}
 
 
@@ -55,9 +62,9 @@ def _creator(env_config: Any) -> Any:
 
 def ppo_config(env_name: str, batch: int, seed: int, lr: float = 3e-4) -> Any:
     """PPO on the new API stack with RLlib's action-masking RLModule, sized for a CPU."""
-    from ray.rllib.algorithms.ppo import PPOConfig
-    from ray.rllib.core.rl_module.rl_module import RLModuleSpec
-    from ray.rllib.examples.rl_modules.classes.action_masking_rlm import ActionMaskingTorchRLModule
+    from ray.rllib.algorithms.ppo import PPOConfig  # RLlib: seconds to import, only this command uses it
+    from ray.rllib.core.rl_module.rl_module import RLModuleSpec  # RLlib, as above
+    from ray.rllib.examples.rl_modules.classes.action_masking_rlm import ActionMaskingTorchRLModule  # RLlib's own
 
     return (PPOConfig()
             .environment(env=env_name, env_config={"factory": env_name})
@@ -70,15 +77,6 @@ def ppo_config(env_name: str, batch: int, seed: int, lr: float = 3e-4) -> Any:
 
 
 async def _synthetic_factory(cfg: Config, stack: list, console: Any) -> tuple[Callable[[], Any], list]:
-    from infra.engine.client import EngineClient
-    from infra.engine.models import load_tokenizer
-    from infra.engine.server import default_weights_roots, start_embedded_engine
-    from simulator.embedder import Embedder
-    from simulator.experience_model import ExperienceModel
-    from simulator.replay_buffer import make_buffer, seed_buffer
-    from simulator.reply_memo import ReplyMemo
-    from simulator.synthetic_env import SyntheticEnv
-
     splits, offline = await asyncio.to_thread(prepare_data, cfg, console)
     model = await asyncio.to_thread(mexp_checkpoint, cfg, offline, console)
     e = cfg.engines
@@ -102,8 +100,8 @@ async def _synthetic_factory(cfg: Config, stack: list, console: Any) -> tuple[Ca
 async def train_rllib(cfg: Config, name: str, iterations: int, batch: int, max_actions: int,
                       console: Any = None) -> dict:
     """PPO for `iterations` iterations in `actors.env_kind` environments of `actors.env_family`; the summary."""
-    import ray
-    from ray.tune.registry import register_env
+    import ray  # Ray and RLlib's registry: only when a run starts (the command's --help stays fast)
+    from ray.tune.registry import register_env  # as above
 
     run_dir = Path(cfg.infra.run_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
