@@ -14,7 +14,9 @@ run with the same settings therefore skips straight to RL.
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +27,7 @@ from actors.envs.registry import canonical_family, load_or_make_splits
 from infra.config import Config
 from learner import mexp_sft, policy_sft
 from learner.learner import release_freed_memory
+from learner.sft_validation import CURVE_FILE, PLOT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +101,48 @@ def mexp_checkpoint(cfg: Config, offline: list, console: Any = None) -> str:
                         f"Mexp SFT checkpoint ({len(offline)} offline trajectories)", sft, console)
 
 
-def policy_start(cfg: Config, offline: list, console: Any = None) -> str:
-    """The weights RL starts from: the base model, or a supervised warm start on expert steps when configured."""
+def policy_start(cfg: Config, offline: list, console: Any = None, run_dir: Path | None = None) -> str:
+    """The weights RL starts from: the base model, or a supervised warm start on expert steps when configured
+    (`learner.warm_start`: fixed steps, or the best checkpoint on a validation split, whose curve is copied
+    into `run_dir` too)."""
     if cfg.learner.warm_start_steps <= 0:
         return cfg.engines.model
 
-    steps, t0 = cfg.learner.warm_start_steps, time.perf_counter()
+    best = cfg.learner.warm_start == "best"
+    steps, t0 = (cfg.learner.warm_start_max_steps if best else cfg.learner.warm_start_steps), time.perf_counter()
     every = max(1, steps // 8)
 
     def report(i: int, loss: float) -> None:  # a line per eighth: a CPU warm start takes minutes
-        if (i + 1) % every == 0 or i + 1 == steps:
+        if not best and ((i + 1) % every == 0 or i + 1 == steps):
             say(console, f"  warm start step {i + 1}/{steps}: loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)")
 
-    def warm_start(cache: Path) -> str:
-        policy_sft.warm_start(cfg, offline, cache, on_step=report)
-        return f"{steps} steps"
+    def validated(p: Any) -> None:  # best mode: a line per validation
+        train = f", train loss {p.train_loss:.3f}" if p.train_loss is not None else ""
+        say(console, f"  warm start step {p.step}/{steps} at most: validation success {p.val_success:.3f} on "
+                     f"{p.val_episodes} episodes, loss {p.val_loss:.3f}{train} ({time.perf_counter() - t0:.0f} s)")
 
-    return cached_model(policy_sft.cache_dir(cfg), "warm-started policy",
-                        warm_start, console)
+    def warm_start(cache: Path) -> str:
+        policy_sft.warm_start(cfg, offline, cache, on_step=report, on_eval=validated)
+        return policy_sft.describe(json.loads((cache / "warm_start.json").read_text()))
+
+    model = cached_model(policy_sft.cache_dir(cfg), "warm-started policy", warm_start, console)
+    if run_dir is not None:
+        for name in (CURVE_FILE, PLOT_FILE):
+            if (Path(model) / name).exists():
+                Path(run_dir).mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(Path(model) / name, Path(run_dir) / name)
+    return model
+
+
+def warm_start_record(cfg: Config, policy_model: str) -> dict | None:
+    """summary.json's account of the warm start the run started from (None without one): its mode, the
+    steps it kept, and in 'best' mode the validation success and loss it was chosen by."""
+    if cfg.learner.warm_start_steps <= 0:
+        return None
+    try:
+        info = json.loads((Path(policy_model) / "warm_start.json").read_text())
+    except (OSError, ValueError):
+        return {"mode": cfg.learner.warm_start, "model": policy_model}
+    keep = ("mode", "action_mode", "steps", "trained_steps", "val_success", "val_loss", "val_episodes", "examples")
+    return {"model": policy_model, "mode": "fixed", **{k: info[k] for k in keep if k in info},
+            **({"val_tasks": len(info["val_tasks"])} if "val_tasks" in info else {})}

@@ -99,7 +99,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
             svc.open_buffer(offline)
         if dreamgym or live_fidelity:
             mexp_model = artifacts.mexp_checkpoint(cfg, offline, console)
-        policy_model = artifacts.policy_start(cfg, offline, console)
+        policy_model = artifacts.policy_start(cfg, offline, console, svc.run_dir)
         record_start(svc.run_dir, policy_model)  # what `--checkpoint runs/<name>` serves if no update is published
         await svc.start_engines(mexp_model, policy_model)
         await serve_built_models(cfg, svc, mexp_model, policy_model, console)
@@ -138,6 +138,7 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
         if placement := svc.placements():  # actors.runtime=ray: the node each actor ran on
             summary["placement"] = placement
         summary.update(s2r_share(phases))
+        summary["warm_start"] = artifacts.warm_start_record(cfg, policy_model)  # which SFT it started from
         return report.write_report(svc.run_dir, summary, history, console)
 
 

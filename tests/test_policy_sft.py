@@ -1,0 +1,186 @@
+"""The policy warm start: the early-stopping rule and the validation split (pure), the cache key, the
+generate-mode examples (masks over exactly the reply tokens, the worker's layout) and a short
+generate-mode warm start on the tiny model; a tiny `dreamgym train` in best mode (slow)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from actors.generate_mode import expert_reply, next_turn
+from infra.config import Config, LearnerConfig
+from infra.schema import Step, Task, Trajectory
+from learner.policy_sft import cache_settings, expert_chats
+from learner.sft_validation import CurvePoint, best_index, should_stop, validation_split
+
+STATE_A = "Room: Kitchen. You see a table with a coin.\nInventory: nothing\nActions:\n[1] go north\n[2] take coin\n[3] open door"
+STATE_B = "Room: Hall. You see a door.\nInventory: coin\nActions:\n[1] go south\n[2] open door"
+
+
+def pt(step, success, loss, train=None):
+    return CurvePoint(step, success, loss, train)
+
+
+def slow_best_and_stop(curve, patience):
+    """The rule spelled out: sort by (success desc, loss asc, step asc); stop when the best is `patience` back."""
+    order = sorted(range(len(curve)), key=lambda i: (-curve[i].val_success, curve[i].val_loss, curve[i].step))
+    return order[0], len(curve) - 1 - order[0] >= patience
+
+
+def test_best_point_is_the_argmax_with_ties_to_lower_loss_then_fewer_steps():
+    curve = [pt(0, 0.2, 2.0), pt(8, 0.6, 1.5), pt(16, 0.6, 1.2), pt(24, 0.4, 1.0), pt(32, 0.6, 1.2)]
+    assert best_index(curve) == 2  # 0.6 three times: the lowest loss (1.2) twice, the fewer steps (16)
+    assert not should_stop(curve, 3) and should_stop(curve, 2)
+    assert best_index([pt(0, 0.5, float("nan")), pt(8, 0.5, 3.0)]) == 1  # a NaN loss never wins a tie
+    with pytest.raises(ValueError):
+        best_index([])
+
+
+def test_training_stops_exactly_patience_evaluations_after_the_best():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        curve = [pt(8 * i, rng.choice([0.0, 0.25, 0.5, 0.75]), rng.choice([1.0, 1.5, 2.0])) for i in range(rng.randint(1, 9))]
+        patience = rng.randint(1, 4)
+        best, stop = slow_best_and_stop(curve, patience)
+        assert best_index(curve) == best and should_stop(curve, patience) == stop
+    # rising then flat: stops after `patience` flat points, keeps the last rise
+    curve = []
+    for i, s in enumerate([0.1, 0.3, 0.5, 0.5, 0.4, 0.5]):
+        curve.append(pt(8 * i, s, 1.0))
+        if should_stop(curve, 3):
+            break
+    assert len(curve) == 6 and curve[best_index(curve)].step == 16
+
+
+def traj(task_id, policy="expert", success=True):
+    t = Trajectory(task_id, "g", steps=[Step(state=STATE_A, action="take coin")], success=success,
+                   task=Task(task_id, "take the coin", game_file=f"/games/{task_id}.z8"))
+    t.timings["policy_name"] = policy
+    return t
+
+
+def test_validation_split_is_disjoint_from_training_and_deterministic_by_seed():
+    trajs = [traj(f"t{i:02d}", p) for i in range(20) for p in ("expert", "noisy")]
+    train, val, tasks = validation_split(trajs, 0.2, 2, seed=7)
+    ids = {t.task_id for t in tasks}
+    assert len(ids) == 4 and {t.task_id for t in val} == ids  # 20 % of 20, every trajectory of them
+    assert not ids & {t.task_id for t in train} and len(train) + len(val) == len(trajs)
+    again = validation_split(list(reversed(trajs)), 0.2, 2, seed=7)[2]
+    assert [t.task_id for t in again] == [t.task_id for t in tasks]  # the seed decides, not the file's order
+    assert {t.task_id for t in validation_split(trajs, 0.2, 2, seed=8)[2]} != ids
+    assert len(validation_split(trajs[:6], 0.2, 4, seed=0)[2]) == 2  # at least min_tasks, one left to train on
+    only = validation_split(trajs, 0.5, 1, seed=0, eligible=lambda t: t.task_id < "t04")[2]
+    assert len(only) == 2 and all(t.task_id < "t04" for t in only)
+    with pytest.raises(ValueError, match="at least 2"):
+        validation_split(trajs[:2], 0.2, 1, seed=0)
+
+
+def test_cache_key_counts_the_early_stopping_settings_only_in_best_mode():
+    fixed = LearnerConfig(warm_start_steps=8)
+    assert cache_settings(fixed, "m", "o", 0) == cache_settings(dataclasses.replace(fixed, warm_start_patience=9), "m", "o", 0)
+    assert "warm_start_max_steps" not in cache_settings(fixed, "m", "o", 0)
+    best = dataclasses.replace(fixed, warm_start="best")
+    key = cache_settings(best, "m", "o", 0, val_episode_steps=6)
+    assert key != cache_settings(fixed, "m", "o", 0) and key["warm_start_max_steps"] == best.warm_start_max_steps
+    assert key != cache_settings(dataclasses.replace(best, warm_start_patience=9), "m", "o", 0, val_episode_steps=6)
+    assert key != cache_settings(best, "m", "o", 0, val_episode_steps=12)
+    assert key == cache_settings(dataclasses.replace(best, warm_start_steps=48), "m", "o", 0, val_episode_steps=6)
+    gen = cache_settings(fixed, "m", "o", 0, True, "generate", think=False)
+    assert gen != cache_settings(fixed, "m", "o", 0, True, "generate", think=True)
+
+
+def expert_episode(reasoning=("the coin is on the table", "the door leads on")):
+    t = Trajectory("t1", "g", success=True, task=Task("t1", "take the coin and leave"), steps=[
+        Step(state=STATE_A, action="take coin", reasoning=reasoning[0]),
+        Step(state=STATE_B, action="open door", reasoning=reasoning[1], done=True, reward=1.0)])
+    t.timings["policy_name"] = "expert"
+    return t
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_generate_examples_mask_exactly_the_reply_tokens_in_the_workers_layout(tiny_dir, think):
+    from infra.engine.models import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_dir))
+    episode = expert_episode()
+    noisy = expert_episode()
+    noisy.timings["policy_name"] = "noisy"
+    [chat] = expert_chats([episode, noisy], tok, think=think)  # one chat: one expert episode, the noisy one left out
+    replies = [expert_reply(s.action, s.reasoning, think) for s in episode.steps]
+    assert ("<think>the coin is on the table</think>" in replies[0]) == think
+    # the masked tokens are exactly the two replies, tokenised alone, in order
+    assert [t for t, m in zip(chat.ids, chat.mask) if m] == sum((tok.encode(r, add_special_tokens=False) for r in replies), [])
+    assert chat.mask[0] == 0 and sum(chat.mask) < len(chat.mask)
+    # the unmasked tokens are what the worker sends: turn 1's prompt, then turn 2's delta after reply 1
+    first = next_turn(tok, episode.task, STATE_A, ["go north", "take coin", "open door"], [], think)
+    n1 = len(first.prompt_token_ids)
+    assert chat.ids[:n1] == first.input_ids and chat.mask[:n1] == [0] * n1
+    r1 = tok.encode(replies[0], add_special_tokens=False)
+    assert chat.ids[n1:n1 + len(r1)] == r1 and chat.mask[n1:n1 + len(r1)] == [1] * len(r1)
+    rest = tok.decode(chat.ids[n1 + len(r1):], skip_special_tokens=False)
+    assert "Room: Hall" in rest and rest.endswith(replies[1])
+
+
+def test_a_few_generate_mode_warm_start_steps_lower_the_reply_loss(tiny_dir):
+    from infra.engine.models import load_tokenizer
+    from learner.policy_model import PolicyModel
+    from learner.policy_sft import chat_logprobs, train_on_examples, validation_loss
+
+    tok = load_tokenizer(str(tiny_dir))
+    chats = expert_chats([expert_episode()], tok, think=True)
+    torch.manual_seed(0)
+    policy = PolicyModel(str(tiny_dir), lora_rank=0)
+    with torch.no_grad():  # the loss reads one log-prob per reply token, as a slow per-position loop does
+        fast = chat_logprobs(policy, chats)
+        ids = torch.tensor([chats[0].ids])
+        logits = policy.lm(input_ids=ids).logits[0].float().log_softmax(-1)
+        slow = torch.stack([logits[p - 1, chats[0].ids[p]] for p, m in enumerate(chats[0].mask) if m])
+    assert torch.allclose(fast, slow, atol=1e-5) and fast.numel() == sum(chats[0].mask)
+    before = validation_loss(policy, chats)
+    losses = train_on_examples(policy, chats, steps=4, lr=3e-3, batch_size=1)
+    after = validation_loss(policy, chats)
+    assert len(losses) == 4 and after < before - 0.5, (before, after, losses)
+
+
+@pytest.mark.slow
+async def test_best_warm_start_through_train_writes_its_curve_and_keeps_the_best_point(tiny_run, tmp_path):
+    """`dreamgym train` with no RL (the sft regime) in best mode: the warm start holds out training
+    tasks, plays them greedily in real TextWorld between segments of supervised steps, keeps the
+    best point, and the curve lands beside the model and in the run directory; summary.json says
+    which warm start the run used."""
+    from infra.config import load_config
+    from infra.run.driver import train
+    from learner import policy_sft
+
+    cfg = load_config(None, [*tiny_run, f"infra.data_dir={tmp_path / 'data'}", "data.textworld_games=5",
+                             "learner.total_updates=0", "learner.warm_start_steps=1", "learner.warm_start=best",
+                             "learner.warm_start_max_steps=4", "learner.warm_start_eval_every=2",
+                             "learner.warm_start_patience=2", "learner.warm_start_val_fraction=0.5",
+                             "learner.warm_start_val_min_tasks=1", "learner.warm_start_batch=2",
+                             "learner.warm_start_lr=1e-3", "evaluation.max_steps=2"])
+    summary = await train(cfg, "sft-best")
+    cache = policy_sft.cache_dir(cfg)
+    curve = json.loads((cache / "warm_start_curve.json").read_text())
+    points = [CurvePoint(**p) for p in curve["points"]]
+    assert [p.step for p in points] == [0, 2, 4]  # patience 2 never binds in 3 points; max_steps does
+    assert all(p.val_episodes == len(curve["val_tasks"]) >= 1 for p in points)
+    assert points[0].train_loss is None and all(p.train_loss > 0 and p.val_loss > 0 for p in points[1:])
+    assert curve["best"] == best_index(points) and curve["best_step"] == points[curve["best"]].step
+    assert (cache / "warm_start_curve.png").stat().st_size > 1000
+    run_dir = tmp_path / "runs" / "sft-best"
+    assert json.loads((run_dir / "warm_start_curve.json").read_text()) == curve
+    ws = summary["warm_start"]
+    assert ws["mode"] == "best" and ws["steps"] == curve["best_step"] and ws["trained_steps"] == 4
+    assert ws["val_success"] == points[curve["best"]].val_success
+    assert json.loads((run_dir / "summary.json").read_text())["warm_start"] == ws
+    # the validation tasks are training tasks, never held-out ones
+    from actors.envs.registry import load_or_make_splits
+
+    splits = load_or_make_splits("textworld", cfg.data, cfg.infra.data_dir, seed=cfg.infra.seed)
+    assert set(curve["val_tasks"]) <= {t.task_id for t in splits.train}
+    assert not set(curve["val_tasks"]) & {t.task_id for t in splits.heldout}
