@@ -144,6 +144,7 @@ def shard(policy: PolicyModel, world: int, device: str) -> RankShare:
     mesh = init_device_mesh(torch.device(device).type, (world,))
     fully_shard(policy, mesh=mesh, reshard_after_forward=True)
     register_fsdp_forward_method(policy, "forward_choice")
+    register_fsdp_forward_method(policy, "forward_tokens")  # generate mode (learner/token_logprobs.py)
     policy.set_gradient_divide_factor(1.0)  # summed, not averaged: each rank's losses carry their share
     policy.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return RankShare(dist.get_rank(), world, device)

@@ -1,5 +1,6 @@
 """The trainable policy: SmolLM2 (or any causal LM directory), optional LoRA, an
-optional PPO value head, and per-step choice log-probs.
+optional PPO value head, per-step choice log-probs and, in generate mode, per-token
+log-probs of the replies the engine sampled (`forward_tokens`, learner/token_logprobs.py).
 
 Owns the learner-side model. Log-probs go through `actors.policy.choice_forward` and
 `gather_choice_logprobs`, the very functions behind `choice_logprobs`, so the
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from learner.choice_logprobs import choice_forward, gather_choice_logprobs, pack_prompts, packed_forward
+from learner.token_logprobs import TokenSequence, sequence_logprobs
 from infra.config import LearnerConfig
 from infra.engine.scoring import (TokenTrie, batched_continuation_logprobs, continuation_logprobs, mean_logprobs,
                                   tree_continuation_logprobs)
@@ -199,6 +201,25 @@ class PolicyModel(nn.Module):
             logits = logits.index_select(0, inverse)
             hidden = hidden.index_select(0, inverse) if hidden is not None else None
         return logits, hidden, tokens
+
+    def forward_tokens(self, sequences: Sequence[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Generate mode (learner/token_logprobs.py): (log-prob of every trained token [T], value of every
+        trained step [S] or None), one forward per chat; `last_tokens` the tokens run through the model."""
+        with self.precision.autocast():
+            logp, hidden, self.last_tokens = sequence_logprobs(self.lm, sequences, self.value_head is not None,
+                                                               self.share_prefix)
+        values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
+        return logp, values
+
+    @torch.no_grad()
+    def reference_token_logprobs(self, sequences: Sequence[TokenSequence]) -> torch.Tensor:
+        """The trained tokens' log-probs under the reference policy, as `forward_tokens` reads them."""
+        if self.lora_rank > 0:
+            with self.lm.disable_adapter(), self.precision.autocast():
+                return sequence_logprobs(self.lm, sequences, share_prefix=self.share_prefix)[0]
+        self.snapshot_reference()
+        with self.precision.autocast():
+            return sequence_logprobs(self._ref, sequences, share_prefix=self.share_prefix)[0]
 
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],

@@ -26,9 +26,18 @@ sum over ranks. The losses keep their share of the whole (mini-)batch and the ra
 are summed, so the reduced gradient is the single-process one; the old log-probs, the loss
 terms and the non-finite checks are summed over ranks too, so every rank decides alike.
 
-Only the action (label) tokens train: a Step is trainable when it carries a label, its
-behaviour log-prob, the label set and the prompt (`trainable_steps`). The losses are
-learner/losses.py. Departure from the paper: none here; see learner/learner.py.
+Only the tokens the policy wrote train. In label and score mode a step has one: its label
+(or its chosen candidate as a whole), trainable when it carries the label, its behaviour
+log-prob, the label set and the prompt. In generate mode (issue 60) a step has as many as
+the engine sampled for its reply (`loss_mask` 1), read from the trajectory's chats rebuilt
+from their token ids (learner/token_logprobs.py): everything in step 1 is then per token,
+the old log-prob, the truncated IS weight and the advantage (GRPO: the trajectory's on every
+token; PPO: GAE over the steps' values, each step's advantage and return on each of its
+tokens), and the clipped surrogate, its aggregation and the KL run over the same [rows,
+tokens] tables as the one-token modes, so those give the numbers they always gave. The value
+loss is per step (one value per step in every mode). A batch is in one mode (`plan` refuses a
+mix). The losses are learner/losses.py. Departure from the paper: none here; see
+learner/learner.py.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from actors.policy import split_choices
+from actors.score_mode import split_choices
 from infra import metrics
 from infra.config import LearnerConfig
 from infra.schema import Step, Trajectory
@@ -47,6 +56,8 @@ from learner.advantages import gae
 from learner.guard import check_gradient, check_loss, check_weights
 from learner.losses import policy_loss, value_loss
 from learner.staleness import staleness, truncated_is_weight
+from learner.token_logprobs import (TokenSequence, behaviour_logprobs, build_sequences, check_chat, is_generate_chat,
+                                    trained_indices)
 
 
 @dataclass
@@ -76,6 +87,7 @@ class UpdateStats:
     seconds: float
     discarded: dict = field(default_factory=dict)  # outcome -> count since the previous update
     tokens: int = 0  # tokens through the model in the trained forward/backward passes (all epochs)
+    action_tokens: int = 0  # tokens trained in the batch (one per step in label/score mode; the reply tokens in generate)
     resident_mb: float = 0.0  # the learner process's resident memory after the update, freed pages returned
 
 
@@ -91,7 +103,8 @@ class Row:
 
 @dataclass
 class FixedInputs:
-    """Per row, per step: old log-prob, importance weight, (advantage, return, value)."""
+    """Per row, per trained token (one per step in label/score mode): old log-prob, importance weight,
+    (advantage, return, value); in generate mode a step's (advantage, return, value) is on each of its tokens."""
 
     old: list[list[float]]
     isw: list[list[float]]
@@ -120,9 +133,37 @@ def _runs(chunks: Sequence[Sequence[int]], share: Share | None) -> list[tuple[Se
 
 
 def trainable_steps(traj: Trajectory) -> list[Step]:
-    """Steps whose action token trains: a choice label with its behaviour log-prob, mask 1."""
+    """Steps with a token that trains: a choice label with its behaviour log-prob, mask 1; in generate
+    mode a step with a sampled token of mask 1, of a trajectory whose chats are well made
+    (`token_logprobs.check_chat`; none of a trajectory that is not: the batcher sets it aside)."""
+    if is_generate_chat(traj.steps):
+        try:
+            check_chat(traj.steps)
+        except ValueError:
+            return []
+        return [s for s in traj.steps if trained_indices(s)]
     return [s for s in traj.steps if s.action_token_ids and s.logprobs and s.choice_token_ids and s.policy_prompt
             and (not s.loss_mask or int(s.loss_mask[0]) == 1)]
+
+
+def is_generate(row: Row) -> bool:
+    return is_generate_chat(row.traj.steps)
+
+
+def step_tokens(row: Row) -> list[int]:
+    """Trained tokens of each of the row's steps: 1 each in label/score mode."""
+    if is_generate(row):
+        return [len(trained_indices(s)) for s in row.steps]
+    return [1] * len(row.steps)
+
+
+def row_tokens(row: Row) -> int:
+    return sum(step_tokens(row))
+
+
+def sequences_of(rows: Sequence[Row]) -> list[TokenSequence]:
+    """Generate mode: the rows' chats, in row order (learner/token_logprobs.py)."""
+    return [q for r in rows if r.steps for q in build_sequences(r.traj.steps)]
 
 
 def rows_of(units: Sequence[Unit]) -> list[Row]:
@@ -180,39 +221,56 @@ def choice_args(steps: Sequence[Step]) -> tuple[list[str], list, list]:
     return prompts, choices, chosen
 
 
+def _generate_rows(rows: Sequence[Row]) -> bool:
+    return any(is_generate(r) for r in rows if r.steps)
+
+
 def _forward(policy: Any, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of every trained token [T], value of every step [S] or None), rows in order."""
+    if _generate_rows(rows):
+        return policy.forward_tokens(sequences_of(rows))
     return policy.forward_choice(*choice_args([s for r in rows for s in r.steps]))
 
 
-def _pad(rows: Sequence[Row], flat: torch.Tensor) -> torch.Tensor:
-    """[steps] -> [rows, longest row], zero-padded."""
-    out = flat.new_zeros((len(rows), max(len(r.steps) for r in rows)))
+def _reference(policy: Any, rows: Sequence[Row]) -> torch.Tensor:
+    if _generate_rows(rows):
+        return policy.reference_token_logprobs(sequences_of(rows))
+    return policy.reference_logprobs(*choice_args([s for r in rows for s in r.steps]))
+
+
+def _pad(sizes: Sequence[int], flat: torch.Tensor) -> torch.Tensor:
+    """[sum(sizes)] -> [rows, largest size], zero-padded."""
+    out = flat.new_zeros((len(sizes), max(sizes)))
     k = 0
-    for i, r in enumerate(rows):
-        out[i, :len(r.steps)] = flat[k:k + len(r.steps)]
-        k += len(r.steps)
+    for i, n in enumerate(sizes):
+        out[i, :n] = flat[k:k + n]
+        k += n
     return out
 
 
 def proximal(policy: Any, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
              share: Share | None = None) -> tuple[list[float], list[float]]:
-    """The current policy's log-prob and value (0 without a value head) of every step, in row order, no grad."""
-    start = list(itertools.accumulate((len(r.steps) for r in rows), initial=0))
-    out = torch.zeros(2, start[-1], dtype=torch.float64)
+    """The current policy's log-prob of every trained token and value (0 without a value head) of every
+    step, each in row order, no grad."""
+    tok = list(itertools.accumulate((row_tokens(r) for r in rows), initial=0))
+    stp = list(itertools.accumulate((len(r.steps) for r in rows), initial=0))
+    out = torch.zeros(tok[-1] + stp[-1], dtype=torch.float64)  # the log-probs, then the values
     for idx, counted in _runs(chunks, share):
         with torch.no_grad():
             lp, v = _forward(policy, [rows[i] for i in idx])
         if counted:
             lp = lp.double().cpu()
-            v = v.double().cpu() if v is not None else torch.zeros_like(lp)
-            k = 0
+            v = v.double().cpu() if v is not None else None
+            k = j = 0
             for i in idx:
-                n = len(rows[i].steps)
-                out[:, start[i]:start[i] + n] = torch.stack((lp[k:k + n], v[k:k + n]))
-                k += n
+                n, m = row_tokens(rows[i]), len(rows[i].steps)
+                out[tok[i]:tok[i] + n] = lp[k:k + n]
+                if v is not None:
+                    out[tok[-1] + stp[i]:tok[-1] + stp[i] + m] = v[j:j + m]
+                k, j = k + n, j + m
     if share is not None:
         out = share.sum(out)
-    return out[0].tolist(), out[1].tolist()
+    return out[:tok[-1]].tolist(), out[tok[-1]:].tolist()
 
 
 def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
@@ -222,24 +280,29 @@ def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: S
     lp = vals = None
     if any(r.corrected for r in rows) or cfg.algo == "ppo":
         lp, vals = proximal(policy, rows, chunks, share)
-    k = 0
+    k = j = 0  # the row's first token, its first step
     for r in rows:
-        n = len(r.steps)
-        mu = [float(s.logprobs[0]) for s in r.steps]
+        n, m, per_step = row_tokens(r), len(r.steps), step_tokens(r)
+        mu = behaviour_logprobs(r.steps) if is_generate(r) else [float(s.logprobs[0]) for s in r.steps]
         if r.corrected:
             prox = lp[k:k + n]
             fixed.old.append(prox)
-            fixed.isw.append([truncated_is_weight(p, m, cfg.is_cap) for p, m in zip(prox, mu)])
+            fixed.isw.append([truncated_is_weight(p, b, cfg.is_cap) for p, b in zip(prox, mu)])
         else:
             fixed.old.append(mu)
             fixed.isw.append([1.0] * n)
         if cfg.algo == "ppo":
-            a, ret = gae([float(s.reward) for s in r.steps], vals[k:k + n], cfg.gamma, cfg.gae_lambda)
-            fixed.adv.append(list(zip(a, ret, vals[k:k + n])))
+            a, ret = gae([float(s.reward) for s in r.steps], vals[j:j + m], cfg.gamma, cfg.gae_lambda)
+            fixed.adv.append([t for t, c in zip(zip(a, ret, vals[j:j + m]), per_step) for _ in range(c)])
         else:
             fixed.adv.append([(r.advantage, 0.0, 0.0)] * n)
-        k += n
+        k, j = k + n, j + m
     return fixed
+
+
+def _first_tokens(row: Row) -> list[int]:
+    """Index of each step's first trained token within the row's tokens."""
+    return list(itertools.accumulate(step_tokens(row), initial=0))[:-1]
 
 
 def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
@@ -247,32 +310,39 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
     """One epoch's backward passes over every micro-batch (this rank's, with a `share`), gradients
     summed into `.grad`; the loss terms (of the whole batch: summed over ranks)."""
     total_rows = sum(1 for r in rows if r.steps)
-    total_tokens = sum(len(r.steps) for r in rows)
+    total_tokens = sum(row_tokens(r) for r in rows)
+    total_steps = sum(len(r.steps) for r in rows)
     sums = {"loss": 0.0, "pl": 0.0, "kl": 0.0, "vl": 0.0, "clip": 0.0, "tokens": 0}
     for idx, counted in _runs(chunks, share):
         part = [rows[i] for i in idx]
         logp_flat, v_flat = _forward(policy, part)
         tokens = int(getattr(policy, "last_tokens", 0))
-        logp = _pad(part, logp_flat)
-        mask = _pad(part, torch.ones_like(logp_flat))
+        sizes = [row_tokens(r) for r in part]
+        logp = _pad(sizes, logp_flat)
+        mask = _pad(sizes, torch.ones_like(logp_flat))
 
         def table(src: list, j: int | None = None) -> torch.Tensor:
             flat = [x if j is None else x[j] for i in idx for x in src[i]]
-            return _pad(part, torch.tensor(flat, dtype=logp.dtype, device=logp.device))
+            return _pad(sizes, torch.tensor(flat, dtype=logp.dtype, device=logp.device))
 
-        ref = None
-        if cfg.kl_coef > 0:
-            steps = [s for r in part for s in r.steps]
-            ref = _pad(part, policy.reference_logprobs(*choice_args(steps)))
+        ref = _pad(sizes, _reference(policy, part)) if cfg.kl_coef > 0 else None
         out = policy_loss(logp, table(fixed.old), table(fixed.adv, 0), mask, cfg.clip_eps, ref, cfg.kl_coef,
                           table(fixed.isw), cfg.aggregate)
         w = len(logp_flat) / total_tokens
         scale = (len(part) / total_rows) if cfg.aggregate == "sequence" else w
         loss = out.loss * scale
         vl = torch.zeros((), device=logp.device)
-        if cfg.algo == "ppo" and v_flat is not None:
-            vl = value_loss(_pad(part, v_flat), table(fixed.adv, 1), mask, table(fixed.adv, 2), cfg.clip_eps)
-            loss = loss + cfg.value_coef * vl * w
+        w_steps = len(v_flat) / total_steps if v_flat is not None else 0.0
+        if cfg.algo == "ppo" and v_flat is not None:  # per step: each step's return and old value, once
+            steps = [len(r.steps) for r in part]
+
+            def step_table(j: int) -> torch.Tensor:
+                flat = [fixed.adv[i][k][j] for i in idx for k in _first_tokens(rows[i])]
+                return _pad(steps, torch.tensor(flat, dtype=logp.dtype, device=logp.device))
+
+            vl = value_loss(_pad(steps, v_flat), step_table(1), _pad(steps, torch.ones_like(v_flat)), step_table(2),
+                            cfg.clip_eps)
+            loss = loss + cfg.value_coef * vl * w_steps
         if not counted:  # a stand-in: the same collectives as a real micro-batch, no gradient
             (loss * 0.0).backward()
             continue
@@ -281,7 +351,7 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
         sums["loss"] += float(loss.detach())
         sums["pl"] += float(out.policy_loss) * scale
         sums["kl"] += float(out.kl) * scale
-        sums["vl"] += float(vl.detach()) * w
+        sums["vl"] += float(vl.detach()) * w_steps
         sums["clip"] += float(out.clip_fraction) * w
     if share is not None:
         total = share.sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()
@@ -310,11 +380,21 @@ def plan(units: Sequence[Unit], cfg: LearnerConfig,
     """The update's rows and the row ranges of its mini-batches (those with a trainable step).
 
     Raises the ValueError a micro-batch's `choice_args` would (a score-mode step whose action is not
-    one of its candidates, a micro-batch mixing label and score mode) before any forward pass, and
-    with `vocab` the IndexError of a token id beyond it (the schema lets any uint32 through): with
-    FSDP ranks (learner/fsdp.py) no rank may fail alone between two collectives."""
+    one of its candidates, a micro-batch mixing label and score mode), or one for a batch mixing
+    generate-mode trajectories with label/score ones or a generate-mode trajectory whose chats are
+    not well made (`token_logprobs.check_chat`: a log-prob per sampled id, a first step opening a
+    chat with its prompt ids), before any forward pass, and with `vocab` the IndexError of a token
+    id beyond it (the schema lets any uint32 through): with FSDP ranks (learner/fsdp.py) no rank
+    may fail alone between two collectives."""
     rows = rows_of(units)
     bounds = [(a, b) for a, b in minibatch_bounds(units, cfg.minibatches) if any(r.steps for r in rows[a:b])]
+    generate = [is_generate(r) for r in rows]
+    if any(generate) and not all(generate):
+        raise ValueError("a batch mixes generate-mode trajectories with label/score-mode ones")
+    if any(generate):
+        for r in rows:
+            check_chat(r.traj.steps, vocab)
+        return rows, bounds
     parts = [rows] + [rows[a:b] for a, b in bounds]
     for part in parts:
         for idx in chunks_of(part, cfg.micro_batch):
@@ -365,4 +445,5 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConf
                        value_loss=sums["vl"], clip_fraction=sums["clip"], mean_reward=mean_reward,
                        success_rate=sum(1 for t in trajs if t.success) / len(trajs), trajectories=len(trajs),
                        steps=sum(len(r.steps) for r in rows), groups=len(units),
-                       mean_staleness=sum(lags) / len(lags), seconds=0.0, tokens=tokens)
+                       mean_staleness=sum(lags) / len(lags), seconds=0.0, tokens=tokens,
+                       action_tokens=sum(row_tokens(r) for r in rows))
