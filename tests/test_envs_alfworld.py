@@ -286,12 +286,16 @@ def test_only_the_problems_asked_for_are_made_then_read_back_from_the_cache(tmp_
     made = sorted(games.glob("*" + ap.GAME_SUFFIX))
     tried = sorted(games.glob("*" + ap.UNSOLVABLE_SUFFIX))
     assert len(made) == 2 and len(tried) <= 2 * ap.MAX_ATTEMPTS  # 2 of the 36 the config describes
-    assert sum(": generated " in line for line in lines) == 2 and all("/2 (heldout" in line for line in lines[1:])
+    assert sum(": generated " in line for line in lines) == 2 and all("/2 (heldout" in line for line in lines[1:3])
 
     def no_planner(*_a, **_k):
         raise AssertionError("a cached problem was planned again")
 
+    def no_reset(*_a, **_k):
+        raise AssertionError("a kept task was read off its game again")
+
     monkeypatch.setattr(ap, "solve", no_planner)
+    monkeypatch.setattr(ap.AlfWorldEnv, "reset_sync", no_reset)
     again: list[str] = []
     back = ap.make_alfworld_tasks(tmp_path, 24, 12, types, only=("heldout", 2), workers=2, progress=again.append)
     assert [t.task_id for t in back.heldout] == [t.task_id for t in part.heldout]
