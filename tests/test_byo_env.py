@@ -123,6 +123,7 @@ async def test_gymnasium_env_plugs_in_through_the_adapter(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.model
+@pytest.mark.timeout(1200)  # three CLI processes, each importing torch: 4 min alone, 9 on a loaded 2-core machine
 def test_keydoor_through_the_cli_collect_mexp_sft_and_dreamgym_train(tmp_path, tiny_dir, redis_url):
     """The README's steps on the example: collect expert and random trajectories, fine-tune Mexp on them,
     then a short DreamGym GRPO run in the synthetic key-and-door world, all through `dreamgym`."""
@@ -143,7 +144,7 @@ def test_keydoor_through_the_cli_collect_mexp_sft_and_dreamgym_train(tmp_path, t
     assert all(s.reasoning for t in offline for s in t.steps)  # the env's rationale: Mexp's SFT target
 
     cli("train-mexp", "--family", KEYDOOR, "--no-progress", "--out", str(tmp_path / "mexp"), *common,
-        "simulator.sft_max_examples=32")
+        "simulator.sft_max_examples=32", "simulator.sft_max_heldout=8")
     assert (tmp_path / "mexp" / "config.json").exists()
 
     cli("train", "--name", "kd", *common, f"infra.redis_url={redis_url}", f"simulator.checkpoint={tmp_path / 'mexp'}",
