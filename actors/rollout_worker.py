@@ -95,7 +95,7 @@ class RolloutWorker:
     def __init__(self, worker_id: str, client: aioredis.Redis, prefix: str, policy: Policy, env_factory: EnvFactory,
                  cfg: ActorsConfig, buffer: TransitionSink | None = None, stats: TaskStatsStore | None = None,
                  env_kind: EnvKind | str | None = None, reclaim_idle_ms: int = 30_000, maxlen: int = 100_000,
-                 max_deliveries: int = DEFAULT_MAX_DELIVERIES):
+                 max_deliveries: int = DEFAULT_MAX_DELIVERIES, handler_timeout_s: float = 0.0):
         self.worker_id, self.client, self.prefix = worker_id, client, prefix
         self.policy, self.env_factory, self.cfg, self.buffer = policy, env_factory, cfg, buffer
         self.stats = stats or TaskStatsStore(client, prefix)
@@ -106,7 +106,7 @@ class RolloutWorker:
         # reclaimed like any dead consumer's, never re-read as "own pending" mid-flight.
         self.consumer = StreamConsumer(client, self.task_stream, WORKERS_GROUP, f"{worker_id}-{new_id()[:6]}",
                                        lambda b: decode_as(b, Task), reclaim_idle_ms=reclaim_idle_ms, reclaim_every=3,
-                                       max_deliveries=max_deliveries)
+                                       max_deliveries=max_deliveries, handler_timeout_s=handler_timeout_s)
         # Real rollouts draw from the run's exact budget of real transitions (infra/budget.py).
         self.budget = StepBudget(client, prefix, cfg.real_transitions) if self.env_kind == EnvKind.REAL else None
         self._episode_slots = asyncio.Semaphore(cfg.concurrent_episodes)

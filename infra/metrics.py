@@ -190,3 +190,5 @@ ENV_PROCESS_FAILURES = Counter("env_process_failures_total", "Real environment c
                                ["family", "reason"])
 ENV_TASKS_REFUSED = Counter("env_tasks_refused_total", "Resets refused without a child: the task crashed or hung its "
                             "environment actors.env_max_crashes times.", ["family"])
+STREAM_HANDLER_TIMEOUTS = Counter("stream_handler_timeouts_total", "Stream entries nacked because their handler held "
+                                  "them past infra.handler_timeout_s without ack or nack (infra/streams.py).", ["stream"])

@@ -21,6 +21,11 @@ Owns the delivery guarantees, nothing about what the messages mean:
   reason)` moves entries the caller can never use at once. Entries a live consumer
   still holds are not counted again: before each reclaim their idle time is renewed
   (XCLAIM JUSTID, which leaves the counter alone), so XAUTOCLAIM does not take them;
+- a handler deadline (`handler_timeout_s`, off by default): an entry the caller has held
+  longer than that without ack, nack or dead-letter is nacked at the consumer's next
+  `read()` (or `expire_held()`) with a `HandlerTimeout` error and counted in
+  stream_handler_timeouts_total, so a handler that forgot it, or hangs, no longer keeps
+  it pending (its lease renewed) for ever; past `max_deliveries` it is dead-lettered;
 - every call retries connection errors with capped exponential backoff, and a
   group lost with a non-persistent Redis is recreated;
 - acked entries are trimmed (`trim_acked`): `XTRIM MINID ~ floor`, where floor is the
@@ -233,9 +238,12 @@ class StreamConsumer(Generic[T]):
 
     def __init__(self, client: aioredis.Redis, stream: str, group: str, consumer: str,
                  decode: Callable[[bytes], T], reclaim_idle_ms: int = 30_000, reclaim_every: int = 10,
-                 max_deliveries: int = DEFAULT_MAX_DELIVERIES, trim_every_s: float | None = 1.0):
+                 max_deliveries: int = DEFAULT_MAX_DELIVERIES, trim_every_s: float | None = 1.0,
+                 handler_timeout_s: float = 0.0):
         """`trim_every_s`: least seconds between two `trim_acked` calls from `ack` (0: after every
-        ack; None: never, the stream keeps acked entries until MAXLEN)."""
+        ack; None: never, the stream keeps acked entries until MAXLEN). `handler_timeout_s`: the
+        handler deadline of the module docstring (0: none; the learner holds entries until its
+        checkpoint on purpose)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
         self.trim_every_s = trim_every_s
@@ -251,10 +259,12 @@ class StreamConsumer(Generic[T]):
         self._own_cursor = "0-0"
         self._reclaim_cursor = b"0-0"
         self._held: set[bytes] = set()  # delivered to the caller, not yet acked, nacked or dead-lettered
+        self.handler_timeout_s = handler_timeout_s
+        self._held_since: dict[bytes, tuple[float, Delivery]] = {}  # with a deadline: when each was handed out
         self._errors: "OrderedDict[bytes, str]" = OrderedDict()  # last nack error per entry
         for counter in (metrics.STREAM_MESSAGES_READ, metrics.STREAM_MESSAGES_ACKED, metrics.STREAM_MESSAGES_RECLAIMED,
                         metrics.STREAM_MESSAGES_REDELIVERED, metrics.STREAM_MESSAGES_NACKED,
-                        metrics.STREAM_MESSAGES_TRIMMED):
+                        metrics.STREAM_MESSAGES_TRIMMED, metrics.STREAM_HANDLER_TIMEOUTS):
             counter.labels(stream)  # a series at 0 from the start: rate() and increase() see the first event
 
     async def ensure_group(self) -> None:
@@ -280,6 +290,7 @@ class StreamConsumer(Generic[T]):
 
     async def read(self, count: int = 100, block_ms: int = 1000) -> list[Delivery[T]]:
         """Up to `count` deliveries: own pending first, then reclaimed idle ones, then new."""
+        await self.expire_held()
         entries: list[Entry] = []
         if not self._own_pending_done:
             entries += await self._read_own(count)
@@ -390,9 +401,31 @@ class StreamConsumer(Generic[T]):
         if redelivered:
             metrics.STREAM_MESSAGES_REDELIVERED.labels(self.stream).inc(redelivered)
         self._held.update(d.entry_id for d in out)
+        if self.handler_timeout_s > 0:
+            now = asyncio.get_running_loop().time()
+            self._held_since.update((d.entry_id, (now, d)) for d in out)
         if dead:
             await self._dead_letter(dead)
         return out
+
+    async def expire_held(self) -> list[Delivery[T]]:
+        """Nack (and count) the entries held past `handler_timeout_s` without ack, nack or dead-letter;
+        returns them. `read()` calls it first."""
+        if self.handler_timeout_s <= 0 or not self._held_since:
+            return []
+        now = asyncio.get_running_loop().time()
+        late: list[Delivery[T]] = []
+        for entry_id, (since, delivery) in list(self._held_since.items()):
+            if entry_id not in self._held:  # acked, nacked or dead-lettered since
+                del self._held_since[entry_id]
+            elif now - since >= self.handler_timeout_s:
+                del self._held_since[entry_id]
+                late.append(delivery)
+        if late:
+            metrics.STREAM_HANDLER_TIMEOUTS.labels(self.stream).inc(len(late))
+            await self.nack(late, f"HandlerTimeout: held {self.handler_timeout_s:g} s without ack or nack "
+                                  "(infra.handler_timeout_s)")
+        return late
 
     def _exhausted(self, entry_id: bytes, handled: int, error: str | None = None) -> str:
         last = error or self._errors.get(entry_id) or "none reported (its consumer stopped or died while handling it)"

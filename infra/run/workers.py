@@ -115,7 +115,8 @@ def local_spawner(cfg: Config, client: aioredis.Redis, prefix: str, policy_clien
         return LocalWorkerHandle(RolloutWorker(
             worker_id, client, prefix, make_policy(cfg, policy_client, tokenizer, worker_id), env_factory, cfg.actors,
             buffer=write_back_sink(cfg, buffer), reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
-            maxlen=cfg.infra.stream_maxlen, max_deliveries=cfg.infra.max_deliveries))
+            maxlen=cfg.infra.stream_maxlen, max_deliveries=cfg.infra.max_deliveries,
+            handler_timeout_s=cfg.infra.handler_timeout_s))
     return spawn
 
 
