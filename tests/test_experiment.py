@@ -418,7 +418,8 @@ def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):
                      "no_writeback", "no_retrieval", "no_reasoning", "real_ppo", "dreamgym_ppo"]
     assert [r.name for r in selected(exp, ["sft_strong", "sft"])] == ["sft", "sft_strong"]  # file order
     # the untrained and warm-started policies, evaluated greedily, are the same in every repeat
-    assert [r.name for r in exp.regimes if identical_repeats(exp, r)] == ["base", "sft", "sft_long", "sft_strong"]
+    assert [r.name for r in exp.regimes if identical_repeats(exp, r)] == ["base", "sft", "sft_8steps", "sft_long",
+                                                                          "sft_strong", "sft_generate"]
     assert len(selected(exp, [], everything=True)) == len(exp.regimes) > len(table)
     # an extra regime that has not run is not missing from the table; a finished one is reported
     res = results(exp, {})
