@@ -80,7 +80,8 @@ GAME_SUFFIX = ".tw-pddl"
 UNSOLVABLE_SUFFIX = ".unsolvable"  # the marker of a (task type, floorplan, seed) that yields no solvable game
 TASK_SUFFIX = ".task.json"  # a generated game's Task (its first state), kept beside it
 TASK_FORMAT = 1  # bump when AlfWorldEnv renders states differently: kept Tasks are then read off a reset again
-SERIAL_UP_TO = 8  # problems to make at most for which no worker process is spawned (one costs 10-16 s of imports on a loaded 2-core CPU)
+# Most problems made without a worker process (a spawned one spends 10-16 s importing on a loaded 2-core CPU).
+SERIAL_UP_TO = 8
 _MANGLE = {"-": "_minus_", "|": "_bar_", "+": "_plus_", ".": "_dot_", ",": "_comma_"}
 _MANGLE_RE = re.compile("|".join(re.escape(k) for k in _MANGLE))
 
