@@ -30,6 +30,10 @@ def check_common(exp) -> None:
     assert exp.roles is not None and exp.roles.repeats_needed >= 3 and exp.roles.s2r == "dreamgym_s2r"
     sft, base = exp.config(regime_named(exp, "sft")), exp.config(regime_named(exp, "base"))
     assert sft.learner.total_updates == 0 < sft.learner.warm_start_steps and base.learner.warm_start_steps == 0
+    # every RL regime starts from the best SFT (early stopping), the fixed 8-step start is an extra regime
+    assert sft.learner.warm_start == "best" == exp.config(regime_named(exp, "dreamgym_grpo")).learner.warm_start
+    weak = regime_named(exp, "sft_8steps")
+    assert weak.extra and exp.config(weak).learner.warm_start == "fixed"
 
 
 def test_textworld_long_preset():
