@@ -147,8 +147,20 @@ def test_a_few_generate_mode_warm_start_steps_lower_the_reply_loss(tiny_dir):
     assert len(losses) == 4 and after < before - 0.5, (before, after, losses)
 
 
+@pytest.fixture(scope="module")
+def tw5_data_dir(tmp_path_factory):
+    """A data directory of 5 train games (tiny_run's one train game leaves none to validate on), shared."""
+    return tmp_path_factory.mktemp("tw5-data")
+
+
+BEST = ["data.textworld_games=5", "learner.total_updates=0", "learner.warm_start_steps=1", "learner.warm_start=best",
+        "learner.warm_start_max_steps=4", "learner.warm_start_eval_every=2", "learner.warm_start_patience=2",
+        "learner.warm_start_val_fraction=0.5", "learner.warm_start_val_min_tasks=1", "learner.warm_start_batch=2",
+        "learner.warm_start_lr=1e-3", "evaluation.max_steps=2"]
+
+
 @pytest.mark.slow
-async def test_best_warm_start_through_train_writes_its_curve_and_keeps_the_best_point(tiny_run, tmp_path):
+async def test_best_warm_start_through_train_writes_its_curve_and_keeps_the_best_point(tiny_run, tw5_data_dir, tmp_path):
     """`dreamgym train` with no RL (the sft regime) in best mode: the warm start holds out training
     tasks, plays them greedily in real TextWorld between segments of supervised steps, keeps the
     best point, and the curve lands beside the model and in the run directory; summary.json says
@@ -157,12 +169,7 @@ async def test_best_warm_start_through_train_writes_its_curve_and_keeps_the_best
     from infra.run.driver import train
     from learner import policy_sft
 
-    cfg = load_config(None, [*tiny_run, f"infra.data_dir={tmp_path / 'data'}", "data.textworld_games=5",
-                             "learner.total_updates=0", "learner.warm_start_steps=1", "learner.warm_start=best",
-                             "learner.warm_start_max_steps=4", "learner.warm_start_eval_every=2",
-                             "learner.warm_start_patience=2", "learner.warm_start_val_fraction=0.5",
-                             "learner.warm_start_val_min_tasks=1", "learner.warm_start_batch=2",
-                             "learner.warm_start_lr=1e-3", "evaluation.max_steps=2"])
+    cfg = load_config(None, [*tiny_run, f"infra.data_dir={tw5_data_dir}", *BEST])
     summary = await train(cfg, "sft-best")
     cache = policy_sft.cache_dir(cfg)
     curve = json.loads((cache / "warm_start_curve.json").read_text())
@@ -184,3 +191,26 @@ async def test_best_warm_start_through_train_writes_its_curve_and_keeps_the_best
     splits = load_or_make_splits("textworld", cfg.data, cfg.infra.data_dir, seed=cfg.infra.seed)
     assert set(curve["val_tasks"]) <= {t.task_id for t in splits.train}
     assert not set(curve["val_tasks"]) & {t.task_id for t in splits.heldout}
+
+
+@pytest.mark.slow
+async def test_generate_mode_best_warm_start_validates_and_evaluates_in_generate_mode(tiny_run, tw5_data_dir, tmp_path):
+    """actors.action_mode=generate through `dreamgym train` (no RL): the warm start trains on expert chats,
+    its validation episodes and the held-out evaluation are played by the generate mode (replies written
+    by the engine, parsed, invalid ones counted), and the cache is its own (generate, think)."""
+    from infra.config import load_config
+    from infra.run.driver import train
+    from learner import policy_sft
+
+    over = [*tiny_run, f"infra.data_dir={tw5_data_dir}", *BEST, "actors.action_mode=generate", "actors.multi_turn=true",
+            "actors.think=false", "actors.max_reply_tokens=8"]
+    cfg = load_config(None, over)
+    summary = await train(cfg, "sft-generate")
+    cache = policy_sft.cache_dir(cfg)
+    assert cache != policy_sft.cache_dir(load_config(None, [*tiny_run, f"infra.data_dir={tw5_data_dir}", *BEST]))
+    curve = json.loads((cache / "warm_start_curve.json").read_text())
+    assert curve["action_mode"] == "generate" and [p["step"] for p in curve["points"]] == [0, 2, 4]
+    # the tiny random model writes no valid <action>: every validation and held-out step is an invalid reply
+    assert all(p["val_episodes"] >= 1 and p["val_success"] == 0.0 for p in curve["points"])
+    assert summary["warm_start"]["action_mode"] == "generate" and summary["heldout_after"]["episodes"] == 1
+    assert summary["heldout_after"]["invalid_rate"] == 1.0
