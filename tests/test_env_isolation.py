@@ -131,3 +131,17 @@ def test_collect_writes_the_good_tasks_and_names_the_crashing_ones(tmp_path):
     trajs = read_trajectories(trajectories_path(tmp_path, FAMILY))
     assert sorted(t.task_id for t in trajs) == ["ok-1", "ok-2"] and all(t.success for t in trajs)
     assert "bad task: exit-1  (env_crash)" in proc.stdout and "bad task: hang-1  (env_timeout)" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_truncated_cached_game_is_made_again_before_collect_or_train_loads_it(tmp_path, good_game):
+    """The splits that `collect` and `train` make read games from the cache; a cached file that fails the
+    load-time check (a copy cut short) is generated again rather than handed to the interpreter."""
+    games = tmp_path / "textworld" / "games"
+    games.mkdir(parents=True)
+    cached = games / good_game.name
+    cached.write_bytes(good_game.read_bytes()[:1000])
+    shutil.copy(good_game.with_suffix(".json"), cached.with_suffix(".json"))
+    assert "truncated" in game_file_problem(cached)
+    assert generate_game("custom", 0, games) == cached
+    assert game_file_problem(cached) is None and cached.read_bytes() == good_game.read_bytes()  # tw-make is seeded

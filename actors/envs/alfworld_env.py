@@ -40,10 +40,10 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.envs.base import (AbstractState, ActionFormatError, LockedThreadCore, StepResult, invalid_observation,
+from actors.envs.base import (AbstractState, ActionFormatError, EpisodeBookkeeping, LockedThreadCore, StepResult,
                               parse_action)
 from actors.envs.textworld_env import _TW_LOCK
-from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
+from infra.metrics import ENV_RESETS
 from infra.schema import Task
 
 _HIDDEN = re.compile(r"^(look|inventory|help|examine .+)$")
@@ -168,7 +168,7 @@ def facts_rationale(action: str, before: set[Fact], after: set[Fact], won: bool,
     return text + ("; the goal is reached" if won else "")
 
 
-class AlfWorldEnv(LockedThreadCore):
+class AlfWorldEnv(EpisodeBookkeeping, LockedThreadCore):
     """One ALFWorld game at a time; `reset(task)` opens `task.game_file` (a `.tw-pddl` file)."""
     _core_lock = _TW_LOCK
 
@@ -235,8 +235,7 @@ class AlfWorldEnv(LockedThreadCore):
         return self.expert_move  # asked for only by the expert choosers; a replan is not free
 
     def _info(self, valid: bool, **extra: Any) -> dict[str, Any]:
-        return {"candidates": list(self._shown), "valid": valid, "won": self.won, "invalid_actions": self.invalid,
-                "expert_action": self._expert(), "steps": self.steps, **extra}
+        return self._book_info(self._shown, valid, self._expert, **extra)
 
     def reset_sync(self, task: Task) -> tuple[str, dict[str, Any]]:
         if not task.game_file or not Path(task.game_file).exists():
@@ -245,7 +244,7 @@ class AlfWorldEnv(LockedThreadCore):
         obs, infos = self._gym.reset()
         m = _TASK.search(str(obs))
         self.objective = m.group(1).rstrip(".") + "." if m else task.instruction
-        self.steps, self.invalid, self.done, self.won = 0, 0, False, False
+        self._begin()
         self._plan = list(self._walkthrough) or None
         ENV_RESETS.labels(family="alfworld").inc()
         return self._observe(infos), self._info(True)
@@ -266,30 +265,23 @@ class AlfWorldEnv(LockedThreadCore):
         if self._gym is None:
             raise RuntimeError("step() before reset()")
         if self.done:
-            return StepResult(invalid_observation(self.state, str(action), "the episode is over"), 0.0, True,
-                              self._info(False))
+            return self._over(self.state, action)
         command = self._resolve(action) if isinstance(action, str) else None
-        self.steps += 1
+        self._count_step()
         if command is None:
-            self.invalid += 1
-            ROLLOUT_INVALID_ACTIONS.labels(env_kind="real").inc()
-            self.done = self.steps >= self.max_steps
             web = isinstance(action, str) and action.strip().lower().startswith(("click", "type"))
             reason = "web actions do not apply to a text game" if web else "not one of the listed commands"
-            return StepResult(invalid_observation(self.state, str(action), reason), 0.0, self.done,
-                              self._info(False, truncated=self.done, rationale=f"{action}: invalid, nothing changed"))
+            return self._refuse(self.state, action, reason)
         if self._plan and command == self._plan[0]:
             self._plan = self._plan[1:]  # the rest of an optimal plan stays a plan from the state it leads to
         else:
             self._plan = None
         before = self._facts
         _obs, _score, game_done, infos = self._gym.step(command)
-        self.won = bool(infos.get("won"))
         lost = bool(infos.get("lost"))
+        truncated = self._end_step(bool(infos.get("won")), lost or bool(game_done))
         state = self._observe(infos)
-        truncated = not (self.won or lost or game_done) and self.steps >= self.max_steps
-        self.done = bool(self.won or lost or game_done or truncated)
-        return StepResult(state, 1.0 if self.won else 0.0, self.done,
+        return StepResult(state, self._outcome(), self.done,
                           self._info(True, lost=lost, truncated=truncated, command=command,
                                      rationale=facts_rationale(command, before, self._facts, self.won)))
 

@@ -36,6 +36,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from infra.metrics import ROLLOUT_INVALID_ACTIONS
 from infra.schema import Task
 
 ITEM_RE = re.compile(r"^\[(\d+)\]\s+(.+?)\s*$")
@@ -192,6 +193,64 @@ class StepResult(NamedTuple):
     reward: float
     done: bool
     info: dict[str, Any]
+
+
+class EpisodeBookkeeping:
+    """One real episode's bookkeeping, kept here once for TextWorld, ALFWorld, MiniWoB++ and BrowserGym.
+
+    - `steps`: every action counts toward `max_steps`, valid or not; `invalid`: the actions the
+      environment never saw (each counted in rollout_invalid_actions_total{env_kind=real}), whose
+      result is the unchanged state marked invalid with the reason;
+    - `done`, `won`, truncation: the step limit truncates an episode that the environment itself
+      did not end (won, lost, terminated); the reward is the paper's outcome reward, 1.0 at the
+      winning step, else 0.0; an action after the end is answered "the episode is over";
+    - the info dict's common keys: candidates, valid, won, invalid_actions, steps, and the expert's
+      next action (None once the episode is over).
+
+    The environment keeps what differs: how it resolves an action, renders its state, lists its
+    candidates and finds the expert's move; it defines `_info(valid, **extra)` with `_book_info`."""
+
+    max_steps: int
+    steps: int = 0
+    invalid: int = 0
+    done: bool = True
+    won: bool = False
+
+    def _info(self, valid: bool, **extra: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        """A new episode."""
+        self.steps, self.invalid, self.done, self.won = 0, 0, False, False
+
+    def _count_step(self) -> None:
+        self.steps += 1
+
+    def _end_step(self, won: bool, ended: bool) -> bool:
+        """After a step the environment took (`ended`: it ended the episode itself); whether the step limit truncated it."""
+        self.won = bool(won)
+        truncated = not (self.won or ended) and self.steps >= self.max_steps
+        self.done = bool(self.won or ended or truncated)
+        return truncated
+
+    def _outcome(self) -> float:
+        return 1.0 if self.won else 0.0
+
+    def _refuse(self, state: str, action: Any, reason: str) -> StepResult:
+        """An action the environment never saw (already counted by `_count_step`): the unchanged state, marked invalid."""
+        self.invalid += 1
+        ROLLOUT_INVALID_ACTIONS.labels(env_kind="real").inc()
+        self.done = self.steps >= self.max_steps
+        return StepResult(invalid_observation(state, str(action), reason), 0.0, self.done,
+                          self._info(False, truncated=self.done, rationale=f"{action}: invalid, nothing changed"))
+
+    def _over(self, state: str, action: Any) -> StepResult:
+        return StepResult(invalid_observation(state, str(action), "the episode is over"), 0.0, True, self._info(False))
+
+    def _book_info(self, candidates: Any, valid: bool, expert: Any, **extra: Any) -> dict[str, Any]:
+        """The info dict; `expert()` gives the expert's next action and is asked only while the episode runs."""
+        return {"candidates": list(candidates), "valid": valid, "won": self.won, "invalid_actions": self.invalid,
+                "expert_action": None if self.done else expert(), "steps": self.steps, **extra}
 
 
 @runtime_checkable

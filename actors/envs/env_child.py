@@ -2,7 +2,8 @@
 
 Run as `python -m actors.envs.env_child` by EnvProcess, never by hand. It reads the family and the
 constructor's arguments, builds the environment with `registry.make_env` (in process: no second
-child), answers each reset and step, and leaves at `close`, at the end of its stdin, or when its
+child), answers each reset and step (a lazy info entry, a function, is asked before it is sent: the
+expert's replan in ALFWorld then costs a step that the expert may not read), and leaves at `close`, at the end of its stdin, or when its
 parent is gone (checked every 2 s by a thread, so a hung step does not keep it alive).
 """
 
@@ -25,6 +26,12 @@ def _orphan_watch(parent: int) -> None:
         time.sleep(2.0)
         if os.getppid() != parent:
             os._exit(0)
+
+
+def _plain(info: dict) -> dict:
+    """The info dict as values: a lazy entry (ALFWorld's `expert_action` is a function when it would cost a
+    replan) is asked here, since a function cannot cross the wire."""
+    return {k: (v() if callable(v) else v) for k, v in info.items()}
 
 
 def _error(exc: BaseException) -> dict:
@@ -58,10 +65,10 @@ def main() -> int:
         try:
             if op == "reset":
                 state, info = loop.run_until_complete(env.reset(Task(**msg["task"])))
-                out: dict = {"state": state, "info": info}
+                out: dict = {"state": state, "info": _plain(info)}
             elif op == "step":
                 res = loop.run_until_complete(env.step(msg["action"]))
-                out = {"state": res.state, "reward": float(res.reward), "done": bool(res.done), "info": res.info}
+                out = {"state": res.state, "reward": float(res.reward), "done": bool(res.done), "info": _plain(res.info)}
             elif op == "close":
                 loop.run_until_complete(env.close())
                 reply({"ok": True})

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from actors.dataset import TaskSplits
-from actors.envs.base import (AbstractState, ActionFormatError, LockedThreadCore, StepResult, invalid_observation,
+from actors.envs.base import (AbstractState, ActionFormatError, EpisodeBookkeeping, LockedThreadCore, StepResult,
                               parse_action)
 from actors.envs.env_process import EnvProcess, EnvProcessError, Isolation
-from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
+from infra.metrics import ENV_RESETS
 from infra.schema import Task
 
 FAMILY_ARGS: dict[str, list[str]] = {
@@ -376,7 +376,7 @@ def render_state(objective: str, description: str, inventory: str, commands: lis
     return AbstractState(desc, [(i + 1, c) for i, c in enumerate(shown)]).render()
 
 
-class TextWorldEnv(LockedThreadCore):
+class TextWorldEnv(EpisodeBookkeeping, LockedThreadCore):
     """One TextWorld game at a time; `reset(task)` opens `task.game_file`."""
     _core_lock = _TW_LOCK
 
@@ -416,10 +416,9 @@ class TextWorldEnv(LockedThreadCore):
                                   [str(f) for f in (gs.facts or [])], self.win)
         return self.state
 
-    def _info(self, valid: bool, won: bool = False, **extra: Any) -> dict[str, Any]:
+    def _info(self, valid: bool, **extra: Any) -> dict[str, Any]:
         plan = list(self._gs.policy_commands or []) if self._gs is not None else []
-        return {"candidates": list(self._shown), "valid": valid, "won": won, "invalid_actions": self.invalid,
-                "expert_action": plan[0] if plan and not self.done else None, "steps": self.steps, **extra}
+        return self._book_info(self._shown, valid, lambda: plan[0] if plan else None, **extra)
 
     def reset_sync(self, task: Task) -> tuple[str, dict[str, Any]]:
         if not task.game_file:
@@ -429,7 +428,7 @@ class TextWorldEnv(LockedThreadCore):
         self._gs = self._env.reset()
         self.objective = self._gs.objective or task.instruction
         self.win = [str(f) for quest in (self._gs.win_facts or []) if quest for f in quest[0]]
-        self.steps, self.invalid, self.done = 0, 0, False
+        self._begin()
         ENV_RESETS.labels(family="textworld").inc()
         # the task's instruction and the expert's plan length, for `tasks_from_games` (run in a child process)
         return self._observe(), self._info(True, objective=self.objective,
@@ -452,26 +451,20 @@ class TextWorldEnv(LockedThreadCore):
         if self._gs is None:
             raise RuntimeError("step() before reset()")
         if self.done:
-            return StepResult(invalid_observation(self.state, action, "the episode is over"), 0.0, True,
-                              self._info(False, bool(self._gs.won)))
+            return self._over(self.state, action)
         command = self._resolve(action)
-        self.steps += 1
+        self._count_step()
         if command is None:
-            self.invalid += 1
-            ROLLOUT_INVALID_ACTIONS.labels(env_kind="real").inc()
-            self.done = self.steps >= self.max_steps
             reason = "not one of the listed commands" if not isinstance(action, str) or not action.lower().startswith(("click", "type")) else "web actions do not apply to a text game"
-            return StepResult(invalid_observation(self.state, str(action), reason), 0.0, self.done,
-                              self._info(False, truncated=self.done, rationale=f"{action}: invalid, nothing changed"))
+            return self._refuse(self.state, action, reason)
         before = {str(f) for f in self._gs.facts}
         self._gs, _score, game_over = self._env.step(command)
         won, lost = bool(self._gs.won), bool(self._gs.lost)
         after = {str(f) for f in self._gs.facts}
-        truncated = not (won or lost or game_over) and self.steps >= self.max_steps
-        self.done = bool(won or lost or game_over or truncated)
+        truncated = self._end_step(won, lost or game_over)
         state = self._observe()
-        return StepResult(state, 1.0 if won else 0.0, self.done,
-                          self._info(True, won, lost=lost, truncated=truncated, command=command,
+        return StepResult(state, self._outcome(), self.done,
+                          self._info(True, lost=lost, truncated=truncated, command=command,
                                      rationale=facts_rationale(command, before, after, won, win=self.win)))
 
     def close_sync(self) -> None:
