@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from actors.dataset import TaskSplits
-from actors.envs.base import TYPEABLE_TAGS, ActionFormatError, StepResult, invalid_observation, parse_action
+from actors.envs.base import TYPEABLE_TAGS, ActionFormatError, EpisodeBookkeeping, StepResult, parse_action
 from actors.envs.miniwob_env import MAX_ITEMS, Item, dom_rationale, expert_action, page_candidates, render_page
-from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
+from infra.metrics import ENV_RESETS
 from infra.schema import Task
 
 CHROMIUM = os.environ.get("BROWSERGYM_CHROMIUM", "/usr/bin/chromium")
@@ -228,7 +228,7 @@ def _fields(env_id: str, goal: str) -> dict[str, str]:
         return {}
 
 
-class BrowserGymEnv:
+class BrowserGymEnv(EpisodeBookkeeping):
     """One BrowserGym environment at a time; `reset(task)` opens `task.game_file` (e.g. 'miniwob.click-button') with `task.seed`."""
 
     family = "browsergym"
@@ -268,14 +268,12 @@ class BrowserGymEnv:
 
     def _expert(self) -> str | None:
         sub = self._env_id.partition(".")[2]
-        if self.done or not self._env_id.startswith("miniwob.") or sub not in EXPERT_TASKS:
+        if not self._env_id.startswith("miniwob.") or sub not in EXPERT_TASKS:
             return None
         return expert_action(sub, self.fields, self.items, self.history)
 
     def _info(self, valid: bool, **extra: Any) -> dict[str, Any]:
-        return {"candidates": page_candidates(self.items, list(self.fields.values())), "valid": valid,
-                "won": self.won, "invalid_actions": self.invalid, "expert_action": self._expert(), "steps": self.steps,
-                **extra}
+        return self._book_info(page_candidates(self.items, list(self.fields.values())), valid, self._expert, **extra)
 
     def _reset(self, task: Task) -> tuple[str, dict[str, Any]]:
         env_id = task.game_file or task.family.removeprefix("browsergym/")
@@ -287,25 +285,21 @@ class BrowserGymEnv:
         self.goal = " ".join(str(obs.get("goal") or task.instruction).split())
         self.fields = _fields(env_id, self.goal)
         self._observe(obs)
-        self.history, self.steps, self.invalid, self.done, self.won = [], 0, 0, False, False
+        self.history = []
+        self._begin()
         self.state = render_page(self.goal, self.items)
         ENV_RESETS.labels(family="browsergym").inc()
         return self.state, self._info(True)
 
     def _invalid(self, action: str, reason: str) -> StepResult:
-        self.invalid += 1
-        ROLLOUT_INVALID_ACTIONS.labels(env_kind="real").inc()
-        self.done = self.steps >= self.max_steps
-        return StepResult(invalid_observation(self.state, action, reason), 0.0, self.done,
-                          self._info(False, truncated=self.done, rationale=f"{action}: invalid, nothing changed"))
+        return self._refuse(self.state, action, reason)
 
     def _step(self, action: str) -> StepResult:
         if self._env is None:
             raise RuntimeError("step() before reset()")
         if self.done:
-            return StepResult(invalid_observation(self.state, str(action), "the episode is over"), 0.0, True,
-                              self._info(False))
-        self.steps += 1
+            return self._over(self.state, action)
+        self._count_step()
         ours = from_browsergym(action, self.refs) if isinstance(action, str) else ""
         try:
             code = to_browsergym(ours, self.items, self.refs)
@@ -318,17 +312,16 @@ class BrowserGymEnv:
             self._observe(obs)
             self.state = render_page(self.goal, self.items)
             return self._invalid(ours, str(obs["last_action_error"]).splitlines()[0][:200])
-        if terminated or truncated_env:
-            self.done, self.won = True, float(reward) > 0
+        ended = bool(terminated or truncated_env)
+        truncated = self._end_step(ended and float(reward) > 0, ended)
+        if ended:
             self.state = render_page(self.goal, before, "done, success" if self.won else "done, failure")
             rationale = dom_rationale(ours, before, before, True, self.won)
         else:
             self._observe(obs)
             self.state = render_page(self.goal, self.items)
             rationale = dom_rationale(ours, before, self.items, False, False)
-        truncated = not self.done and self.steps >= self.max_steps
-        self.done = self.done or truncated
-        return StepResult(self.state, 1.0 if self.won else 0.0, self.done,
+        return StepResult(self.state, self._outcome(), self.done,
                           self._info(True, truncated=truncated, rationale=rationale, raw_reward=float(reward),
                                      browsergym_action=code))
 

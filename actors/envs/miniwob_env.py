@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.dataset import TaskSplits
-from actors.envs.base import (TYPEABLE_TAGS, AbstractState, ActionFormatError, StepResult, candidate_actions,
-                              invalid_observation, parse_action)
-from infra.metrics import ENV_RESETS, ROLLOUT_INVALID_ACTIONS
+from actors.envs.base import (TYPEABLE_TAGS, AbstractState, ActionFormatError, EpisodeBookkeeping, StepResult,
+                              candidate_actions, parse_action)
+from infra.metrics import ENV_RESETS
 from infra.schema import Task
 
 CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -254,7 +254,7 @@ def subdomain_of(task: Task) -> str:
     return re.sub(r"-v\d+$", "", name)
 
 
-class MiniWoBEnv:
+class MiniWoBEnv(EpisodeBookkeeping):
     """One headless browser; `reset(task)` opens `task.game_file` (e.g. 'miniwob/login-user-v1') with `task.seed`."""
 
     family = "miniwob"
@@ -303,9 +303,8 @@ class MiniWoBEnv:
 
     # --- sync core -----------------------------------------------------------
     def _info(self, valid: bool, **extra: Any) -> dict[str, Any]:
-        move = None if self.done else expert_action(self._subdomain, self.fields, self.items, self.history)
-        return {"candidates": page_candidates(self.items, list(self.fields.values())), "valid": valid,
-                "won": self.won, "invalid_actions": self.invalid, "expert_action": move, "steps": self.steps, **extra}
+        return self._book_info(page_candidates(self.items, list(self.fields.values())), valid,
+                               lambda: expert_action(self._subdomain, self.fields, self.items, self.history), **extra)
 
     def reset_sync(self, task: Task) -> tuple[str, dict[str, Any]]:
         self._open(subdomain_of(task))
@@ -315,24 +314,21 @@ class MiniWoBEnv:
         self.utterance = str(obs["utterance"])
         self.fields = {str(k): str(v) for k, v in obs["fields"]}
         self.items = page_items(obs["dom_elements"])
-        self.history, self.steps, self.invalid, self.done, self.won = [], 0, 0, False, False
+        self.history = []
+        self._begin()
         self.state = render_page(self.utterance, self.items)
         ENV_RESETS.labels(family="miniwob").inc()
         return self.state, self._info(True)
 
     def _invalid(self, action: str, reason: str) -> StepResult:
-        self.invalid += 1
-        ROLLOUT_INVALID_ACTIONS.labels(env_kind="real").inc()
-        self.done = self.steps >= self.max_steps
-        return StepResult(invalid_observation(self.state, action, reason), 0.0, self.done,
-                          self._info(False, truncated=self.done, rationale=f"{action}: invalid, nothing changed"))
+        return self._refuse(self.state, action, reason)
 
     def step_sync(self, action: str) -> StepResult:
         if self._env is None:
             raise RuntimeError("step() before reset()")
         if self.done:
-            return StepResult(invalid_observation(self.state, str(action), "the episode is over"), 0.0, True, self._info(False))
-        self.steps += 1
+            return self._over(self.state, action)
+        self._count_step()
         try:
             act = parse_action(action)
         except ActionFormatError as exc:
@@ -352,8 +348,9 @@ class MiniWoBEnv:
         obs, reward, terminated, truncated_env, _info = self._env.step(raw)
         before = self.items
         self.history.append(action.strip())
-        if terminated or truncated_env:
-            self.done, self.won = True, float(reward) > 0
+        ended = bool(terminated or truncated_env)
+        truncated = self._end_step(ended and float(reward) > 0, ended)
+        if ended:
             status = "done, success" if self.won else "done, failure"
             self.state = render_page(self.utterance, before, status)
             rationale = dom_rationale(action, before, before, True, self.won)
@@ -361,9 +358,7 @@ class MiniWoBEnv:
             self.items = page_items(obs["dom_elements"])
             self.state = render_page(self.utterance, self.items)
             rationale = dom_rationale(action, before, self.items, False, False)
-        truncated = not self.done and self.steps >= self.max_steps
-        self.done = self.done or truncated
-        return StepResult(self.state, 1.0 if self.won else 0.0, self.done,
+        return StepResult(self.state, self._outcome(), self.done,
                           self._info(True, truncated=truncated, rationale=rationale, raw_reward=float(reward)))
 
     def close_sync(self) -> None:
