@@ -12,7 +12,8 @@ learner/losses.py) nor the transport (infra/streams.py):
    in the learner's own update thread, so the workers and an engine sharing the event
    loop keep serving: that thread runs `learner.threads` torch threads at `learner.nice`
    (Linux sets both per thread, so the engines' threads keep their count and priority);
-   only the action (label) tokens train, a multi-turn trajectory as one packed sequence;
+   only the tokens the policy wrote train (a label, or in generate mode every reply token),
+   a multi-turn trajectory as one packed sequence;
 3. if the loss, a gradient or the new weights are not finite, or the update raises,
    restore the snapshot, count it (`learner_nonfinite_updates_total`,
    `learner_update_errors_total`), publish nothing, and give the batch a strike: it is

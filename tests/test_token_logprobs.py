@@ -443,3 +443,77 @@ async def test_engine_logprobs_equal_the_learners_token_recompute(tiny):
 async def test_engine_logprobs_equal_the_learners_token_recompute_smollm2(smollm2):
     model, tok = smollm2
     await _engine_equals_learner(model, tok, via_policy=False)
+
+
+# ---------------------------------------------------------------- FSDP ranks (learner/fsdp.py)
+
+FSDP_CASES = [("grpo", "sequence", 0.0), ("grpo", "token", 0.1), ("ppo", "token", 0.0)]
+
+
+def _fsdp_cfg(algo: str, aggregate: str, kl: float) -> LearnerConfig:
+    return LearnerConfig(algo=algo, aggregate=aggregate, kl_coef=kl, staleness_mode="importance", micro_batch=3,
+                         clip_eps=0.1)
+
+
+def _fsdp_policy(policy: PolicyModel, cfg: LearnerConfig) -> PolicyModel:
+    if policy.value_head is not None:
+        torch.manual_seed(1)
+        torch.nn.init.normal_(policy.value_head.weight, std=0.1)
+    if cfg.kl_coef > 0:
+        policy.snapshot_reference()
+    return policy
+
+
+def _generate_accumulate_on_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from infra.engine.models import load_model
+    from learner.fsdp import shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    model, tok = load_model(model_dir)
+    got = []
+    for algo, aggregate, kl in FSDP_CASES:
+        cfg = _fsdp_cfg(algo, aggregate, kl)
+        policy = _fsdp_policy(PolicyModel(model_dir, value_head=algo == "ppo"), cfg)
+        share = shard(policy, world, "cpu")
+        policy.train()
+        rows = rows_of(generate_units(model, tok, algo))
+        chunks = chunks_of(rows, cfg.micro_batch)
+        accumulate_gradients(policy, cfg, rows, chunks, fixed_inputs(policy, cfg, rows, chunks, share), share)
+        got.append({n: p.grad.full_tensor() for n, p in policy.named_parameters() if p.grad is not None})
+    if rank == 0:
+        torch.save(got, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_accumulate_the_single_process_token_gradients(tiny, tmp_path):
+    """Generate-mode micro-batches dealt to two gloo ranks (one runs a zero-weighted stand-in):
+    the summed gradients are the single process's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    model, tok = tiny
+    model_dir = tmp_path / "tiny"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "grads.pt"
+    mp.spawn(_generate_accumulate_on_rank, args=(2, port, str(model_dir), str(out)), nprocs=2)
+    got = torch.load(out)
+    assert len(chunks_of(rows_of(generate_units(model, tok, "grpo")), 3)) % 2 == 1  # rank 1 ran a stand-in
+    for (algo, aggregate, kl), grads in zip(FSDP_CASES, got):
+        cfg = _fsdp_cfg(algo, aggregate, kl)
+        policy = _fsdp_policy(PolicyModel(model=copy.deepcopy(model), tokenizer=tok, value_head=algo == "ppo"), cfg)
+        policy.train()
+        rows = rows_of(generate_units(model, tok, algo))
+        chunks = chunks_of(rows, cfg.micro_batch)
+        accumulate_gradients(policy, cfg, rows, chunks, fixed_inputs(policy, cfg, rows, chunks))
+        want = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+        assert grads.keys() == want.keys() and len(want) > 10
+        for name, g in want.items():
+            torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-5, msg=f"{algo} {aggregate} {kl} {name}")

@@ -162,7 +162,8 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
         history.record(phase=where, version=s.version, loss=s.loss, kl=s.kl, mean_reward=s.mean_reward,
                        success_rate=s.success_rate, staleness=s.mean_staleness,
                        traj_per_s=learner.trained / max(1e-9, history.seconds),
-                       discarded=s.discarded, tokens=s.tokens, update_s=round(s.seconds, 2),
+                       discarded=s.discarded, tokens=s.tokens, action_tokens=s.action_tokens,
+                       update_s=round(s.seconds, 2),
                        resident_mb=round(s.resident_mb))
         bar.update(task, completed=s.version, info=f"loss {s.loss:.3f} reward {s.mean_reward:.2f} "
                                                     f"success {s.success_rate:.2f} stale {s.mean_staleness:.1f} "
