@@ -127,9 +127,10 @@ class ChatExample:
 
 
 def expert_chats(trajectories: Iterable[Trajectory], tokenizer, think: bool = True, only_successful: bool = True,
-                 history_window: int = 3, max_chat_chars: int = MAX_CHAT_CHARS) -> list[ChatExample]:
+                 history_window: int = 3, max_chat_chars: int = MAX_CHAT_CHARS, **layout: Any) -> list[ChatExample]:
     """Generate mode's examples: one per chat of each successful expert episode, its turns laid out by
-    `actors.generate_mode.expert_turns` (the worker's own layout: prompt ids masked out, reply ids in).
+    `actors.generate_mode.expert_turns` (the worker's own layout: prompt ids masked out, reply ids in;
+    `layout`: its chat bounds, max_chat_tokens and max_reply_tokens, as the worker's config has them).
     An episode stops at its first step whose action is not among the state's candidates (training on
     what comes after would teach a chat that says the agent's last reply was invalid)."""
     out: list[ChatExample] = []
@@ -149,7 +150,7 @@ def expert_chats(trajectories: Iterable[Trajectory], tokenizer, think: bool = Tr
             turns.append((step.state, cands, expert_reply(step.action, step.reasoning, think)))
         chats: list[ChatExample] = []
         for turn in expert_turns(tokenizer, _task_of(traj, traj.steps[0].state), turns, think, max_chat_chars,
-                                 history_window):
+                                 history_window, **layout):
             if turn.new_chat or not chats:
                 chats.append(ChatExample([], []))
             chats[-1].ids += [*turn.prompt_token_ids, *turn.reply_token_ids]
@@ -251,7 +252,8 @@ def make_examples(cfg: Any, trajectories: list, tokenizer, permutations: int) ->
     """The expert examples of `trajectories` in the mode `cfg.actors` names."""
     a = cfg.actors
     if a.action_mode == "generate":
-        return expert_chats(trajectories, tokenizer, think=a.think, max_chat_chars=a.chat_max_chars)
+        return expert_chats(trajectories, tokenizer, think=a.think, max_chat_chars=a.chat_max_chars,
+                            max_chat_tokens=a.chat_max_tokens, max_reply_tokens=a.max_reply_tokens)
     return expert_examples(trajectories, tokenizer, permutations=permutations, seed=cfg.infra.seed,
                            multi_turn=a.multi_turn, max_chat_chars=a.chat_max_chars, action_mode=a.action_mode)
 
