@@ -281,9 +281,10 @@ def fresh_policy(model, tok, cfg: LearnerConfig) -> PolicyModel:
     return policy
 
 
-@pytest.mark.parametrize("algo,aggregate,kl,micro_batch", [
-    ("grpo", "sequence", 0.0, 64), ("grpo", "sequence", 0.0, 2), ("grpo", "token", 0.1, 64),
-    ("grpo", "token", 0.1, 1), ("ppo", "token", 0.0, 64), ("ppo", "sequence", 0.0, 2)])
+@pytest.mark.parametrize("algo,aggregate,kl,micro_batch", [  # the whole-batch cases are slow: 15-30 s each here
+    pytest.param("grpo", "sequence", 0.0, 64, marks=pytest.mark.slow), ("grpo", "sequence", 0.0, 2),
+    pytest.param("grpo", "token", 0.1, 64, marks=pytest.mark.slow), ("grpo", "token", 0.1, 1),
+    pytest.param("ppo", "token", 0.0, 64, marks=pytest.mark.slow), ("ppo", "sequence", 0.0, 2)])
 def test_the_token_level_update_has_the_gradient_of_a_per_token_loop(tiny, algo, aggregate, kl, micro_batch):
     model, tok = tiny
     cfg = LearnerConfig(algo=algo, aggregate=aggregate, kl_coef=kl, staleness_mode="importance",
@@ -517,3 +518,37 @@ def test_two_fsdp_ranks_accumulate_the_single_process_token_gradients(tiny, tmp_
         assert grads.keys() == want.keys() and len(want) > 10
         for name, g in want.items():
             torch.testing.assert_close(grads[name], g, rtol=0, atol=1e-5, msg=f"{algo} {aggregate} {kl} {name}")
+
+
+# ---------------------------------------------------------------- through `dreamgym train`
+
+@pytest.mark.slow
+async def test_dreamgym_train_trains_the_replies_the_workers_sampled(tiny_run, redis_url):
+    """The driver's `train` in generate mode on real TextWorld games (PPO, which keeps the tiny model's
+    all-invalid, equal-reward groups that GRPO would filter): one update, and the tokens it trained are
+    exactly the reply tokens of the trajectories the workers pushed."""
+    import redis.asyncio as aioredis
+
+    from infra.config import load_config
+    from infra.run.driver import train
+    from infra.schema import decode_as
+    from infra.streams import DATA_FIELD, run_prefix, trajectories_stream
+
+    cfg = load_config(None, [*tiny_run, "actors.action_mode=generate", "actors.multi_turn=true",
+                             "actors.max_reply_tokens=6", "actors.max_steps=2", "learner.algo=ppo",
+                             "learner.total_updates=1", "learner.warm_start_steps=0", "learner.checkpoint_every=5"])
+    summary = await train(cfg, "gen-ppo", evaluate=False)
+    assert summary["updates"] == 1
+    row = summary["history"][0]
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        entries = await client.xrange(trajectories_stream(run_prefix(cfg.infra.stream_prefix, "gen-ppo")))
+    finally:
+        await client.aclose()
+    trajs = [decode_as(fields[DATA_FIELD], Trajectory) for _, fields in entries]
+    assert trajs and all(t.steps and t.steps[0].new_chat and not t.steps[0].choice_token_ids for t in trajs)
+    for t in trajs:
+        build_sequences(t.steps)  # well-made chats
+    per_traj = [sum(len(s.action_token_ids) for s in t.steps) for t in trajs]
+    assert row["action_tokens"] in {sum(per_traj[:k]) for k in range(1, len(per_traj) + 1)}  # the first k pushed
+    assert row["tokens"] > row["action_tokens"] > 0
