@@ -145,3 +145,23 @@ def test_a_truncated_cached_game_is_made_again_before_collect_or_train_loads_it(
     assert "truncated" in game_file_problem(cached)
     assert generate_game("custom", 0, games) == cached
     assert game_file_problem(cached) is None and cached.read_bytes() == good_game.read_bytes()  # tw-make is seeded
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+def test_train_collects_its_offline_data_past_a_crashing_and_a_hanging_task(tmp_path, tiny_dir):
+    """`dreamgym train`'s offline collection (infra/run/artifacts.py) plays its train tasks out of process:
+    the crashing and the hanging one are named, the rest are collected, and the run goes on."""
+    proc = subprocess.run([*CLI, "train", "--name", "faulty", "--no-eval", f"infra.run_dir={tmp_path / 'runs'}",
+                           f"infra.data_dir={tmp_path / 'data'}", "infra.train_budget_s=5", f"engines.model={tiny_dir}",
+                           "engines.max_batch_size=4", f"simulator.checkpoint={tiny_dir}", f"actors.env_family={FAMILY}",
+                           "data.env_tasks=4", "data.env_heldout=1", "data.policies=[expert]",
+                           "data.episodes_per_task=1", "data.workers=1", "actors.env_kind=real", "actors.num_workers=1",
+                           "actors.group_size=2", "actors.max_steps=2", "learner.algo=ppo", "learner.total_updates=1",
+                           "curriculum.variants_per_seed=0", "actors.env_step_timeout_s=2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "bad task: exit-1  (env_crash)" in proc.stdout and "bad task: hang-1  (env_timeout)" in proc.stdout
+    assert "BrokenProcessPool" not in proc.stdout + proc.stderr
+    trajs = read_trajectories(trajectories_path(tmp_path / "data", FAMILY))
+    assert sorted(t.task_id for t in trajs) == ["ok-1", "ok-2"]

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from actors.collect import collect
 from actors.dataset import offline_settings, read_trajectories, stamp_matches, trajectories_path, write_stamp, write_trajectories
+from actors.envs.env_process import Isolation
 from actors.envs.registry import canonical_family, load_or_make_splits
 from infra.config import Config
 from learner import mexp_sft, policy_sft
@@ -57,8 +58,12 @@ def prepare_data(cfg: Config, console: Any = None) -> tuple[Any, list]:
         say(console, f"reusing {len(offline)} offline trajectories from {path}")
     else:
         say(console, f"collecting offline {family} trajectories on {len(splits.train)} train tasks ...")
+        bad: list[dict] = []
         offline = collect(family, splits.train, list(cfg.data.policies), cfg.data.episodes_per_task,
-                          cfg.data.noise_eps, cfg.data.max_steps, cfg.data.workers, seed=cfg.infra.seed)
+                          cfg.data.noise_eps, cfg.data.max_steps, cfg.data.workers, seed=cfg.infra.seed,
+                          isolation=Isolation.from_config(cfg.actors), bad_tasks=bad)
+        for b in bad:  # their environment crashed, hung or was refused: the rest were collected
+            say(console, f"bad task: {b['task_id']} {b['game_file']} ({b['reason']})")
         if not offline:  # every task failed: stamping an empty file would make each later run reuse it
             raise RuntimeError(f"offline {family} collection on {len(splits.train)} train tasks produced no "
                                "trajectories (each task's error is logged above); nothing was cached")
