@@ -243,7 +243,7 @@ class CurriculumScheduler:
 
     def _uniform_batch(self) -> list[Task]:
         """The ablation (`curriculum.enabled=false`): uniform over the seeds, without replacement within a pass."""
-        seeds = sorted((t for t in self.pool.seeds() if t.game_file or not self.real_only), key=lambda t: t.task_id)
+        seeds = sorted(self.pool.seeds(), key=lambda t: t.task_id)  # seed tasks all have a real counterpart
         out: list[Task] = []
         while seeds and len(out) < self.cfg.batch_size:
             if not self._order:
@@ -260,8 +260,9 @@ class CurriculumScheduler:
         # generated tasks whose recent groups carried no reward variance are not handed out (the docstring)
         gen_ids = [t for t in ids if self.pool.tasks[t].generated and not self.real_only
                    and tier(self.last_stats.get(t)) != 2]
-        seed_ids = [t for t in ids if not self.pool.tasks[t].generated and (self.pool.tasks[t].game_file
-                                                                              or not self.real_only)]
+        # every seed task has a real counterpart (a game file, a page, or a plug-in environment's own task,
+        # which may name no file at all); only Mtask's variants have none
+        seed_ids = [t for t in ids if not self.pool.tasks[t].generated]
         b = self.cfg.batch_size
         if self.real_only and self.real_selection == "split" and seed_ids:
             return [self.pool.tasks[t] for t in self._pick_splitting(seed_ids, b)]

@@ -122,6 +122,24 @@ async def test_real_rollouts_never_get_tasks_without_a_real_counterpart(redis_ur
         await client.aclose()
 
 
+async def test_real_rollouts_play_a_plug_in_environments_tasks_that_name_no_file(redis_url):
+    """A user's own environment makes its tasks without a game file; they are real all the same (with
+    a game-file test, `dreamgym train actors.env_kind=real` on a plug-in waited for groups forever)."""
+    client = aioredis.from_url(redis_url)
+    cfg = load_config(None, ["curriculum.batch_size=2"]).curriculum
+    try:
+        for enabled in (True, False):
+            sched = CurriculumScheduler(client, dataclasses.replace(cfg, enabled=enabled), f"plug{enabled}",
+                                        [Task(f"k{i}", "open the door", family="examples.keydoor:KeyDoorEnv")
+                                         for i in range(3)])
+            await sched.start()
+            sched.real_only = True
+            got = [t for _ in range(3) for t in await sched.next_batch()]
+            assert got and {t.task_id for t in got} <= {"k0", "k1", "k2"}
+    finally:
+        await client.aclose()
+
+
 def test_cache_keys_follow_the_settings_that_shape_each_artifact(tmp_path):
     base = load_config(None, [f"infra.data_dir={tmp_path}"])
     same_sft = dataclasses.replace(base, simulator=dataclasses.replace(base.simulator, temperature=0.1, max_steps=9))
