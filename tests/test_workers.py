@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from actors.envs.env_process import EnvProcess
 from actors.envs.textworld_env import TextWorldEnv
 from actors.policy import Policy
 from infra.config import Config, rl_seed
@@ -39,6 +40,10 @@ def test_real_envs_are_the_configured_family_and_never_build_an_experience_model
     def no_mexp():
         raise AssertionError("a real environment needs no experience model")
 
+    env = make_env_factory(cfg, no_mexp)()
+    # real environments run in a supervised child process (actors.env_isolation, the default)
+    assert isinstance(env, EnvProcess) and env.family == "textworld" and env.kwargs.get("max_steps") == 3
+    cfg.actors.env_isolation = False  # the in-process path builds the family's class itself
     env = make_env_factory(cfg, no_mexp)()
     assert isinstance(env, TextWorldEnv) and env.max_steps == 3
 
