@@ -30,6 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from actors.evaluate import choice_policy_chooser, evaluate
+from actors.policy import Policy
+from infra.engine.client import EngineClient
+from infra.engine.server import start_embedded_engine
 from infra.schema import Task, Trajectory
 
 log = logging.getLogger(__name__)
@@ -101,11 +105,6 @@ def play_validation(model: Any, tokenizer: Any, cfg: Any, tasks: Sequence[Task])
     environment, as `dreamgym train`'s held-out evaluation plays them; the EvalReport as a dict.
     Runs its own event loop in a helper thread, so it may be called from inside a running loop
     (the driver calls the warm start synchronously from its own)."""
-    from actors.evaluate import choice_policy_chooser, evaluate
-    from actors.policy import Policy
-    from infra.engine.client import EngineClient
-    from infra.engine.server import start_embedded_engine
-
     async def go() -> dict:
         handle = await start_embedded_engine(model=cfg.engines.model, loaded=(model, tokenizer),
                                              max_batch_size=cfg.engines.max_batch_size)
