@@ -119,7 +119,9 @@ async def train_rllib(cfg: Config, name: str, iterations: int, batch: int, max_a
         register_env(env_name, _creator)
         started = not ray.is_initialized()
         if started:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            # "local": a fresh runtime even where a cluster of another test or command is running,
+            # which ray.init() would otherwise join (and refuse num_cpus for)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             stack.append(ray.shutdown)
         algo = ppo_config(env_name, batch, rl_seed(cfg.infra)).build_algo()
         stack.append(lambda: asyncio.to_thread(algo.stop))  # its envs close on their own loops, off this one
