@@ -18,12 +18,22 @@ Owns the delivery guarantees, nothing about what the messages mean:
   entry read back with a count above the bound (its consumer crashed on it every time,
   so no one could nack) is dead-lettered before the caller sees it: a poison message
   cannot crash-loop a restarted learner or stop a worker. `dead_letter(deliveries,
-  reason)` moves entries the caller can never use at once. Entries a live consumer
+  reason)` moves entries the caller can never use at once;
+- a batch reader counts a delivery where it is used, not where it is read
+  (`count_on_use`, the learner's consumer): every read sets an entry's counter back to
+  the times it was handled before (Redis raised it on the read), and `handling(deliveries)`
+  raises it by one as the caller starts on them (the learner: as they enter an update).
+  Entries read ahead and never handled, then re-read after a restart or reclaimed from a
+  dead reader, are charged nothing: a reader that dies on the 4th entry of a batch of
+  10 again and again dead-letters the 4th only. Each step checks that the entry is still
+  this consumer's, in one Lua script. A reader killed between its read and that reset
+  leaves one extra count (it errs toward dead-lettering, never toward a loop). Entries a live consumer
   still holds are not counted again: before each reclaim their idle time is renewed
   (XCLAIM JUSTID, which leaves the counter alone), so XAUTOCLAIM does not take them;
 - a handler deadline (`handler_timeout_s`, off by default): an entry the caller has held
-  longer than that without ack, nack or dead-letter is nacked at the consumer's next
-  `read()` (or `expire_held()`) with a `HandlerTimeout` error and counted in
+  (with `count_on_use`: since `handling()`) longer than that without ack, nack or
+  dead-letter is nacked at the consumer's next `read()` (or `expire_held()`; a caller
+  whose reads wait on its handlers calls it on a timer) with a `HandlerTimeout` error and counted in
   stream_handler_timeouts_total, so a handler that forgot it, or hangs, no longer keeps
   it pending (its lease renewed) for ever; past `max_deliveries` it is dead-lettered;
 - every call retries connection errors with capped exponential backoff, and a
@@ -175,6 +185,27 @@ return {floor, redis.call('XTRIM', KEYS[1], 'MINID', ARGV[1], floor)}
 """
 
 
+# Set (ARGV[3] 'set') or raise (ARGV[3] 'add') the delivery counters of entries still pending to this
+# consumer; -1 for an entry that is not (acked, or another consumer's now). XCLAIM JUSTID with RETRYCOUNT
+# sets the counter, renews the idle time and leaves the entry where it is.
+SET_COUNTS_SCRIPT = """
+local out = {}
+for i = 4, #ARGV, 2 do
+  local id, n = ARGV[i], tonumber(ARGV[i + 1])
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    if ARGV[3] == 'add' then n = p[1][4] + n end
+    if n < 0 then n = 0 end
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'RETRYCOUNT', n, 'JUSTID')
+    out[#out + 1] = n
+  else
+    out[#out + 1] = -1
+  end
+end
+return out
+"""
+
+
 async def trim_acked(client: aioredis.Redis, stream: str, approximate: bool = True) -> int:
     """Remove the entries of `stream` that every consumer group has acked; returns how many went.
 
@@ -220,7 +251,7 @@ class Delivery(Generic[T]):
     entry_id: bytes
     message: T
     reclaimed: bool = False
-    deliveries: int = 1  # times Redis delivered this entry, this delivery included
+    deliveries: int = 1  # times Redis delivered this entry, this delivery included (count_on_use: handled)
     raw: bytes = b""  # the encoded bytes, kept for the dead-letter stream
 
 
@@ -239,11 +270,12 @@ class StreamConsumer(Generic[T]):
     def __init__(self, client: aioredis.Redis, stream: str, group: str, consumer: str,
                  decode: Callable[[bytes], T], reclaim_idle_ms: int = 30_000, reclaim_every: int = 10,
                  max_deliveries: int = DEFAULT_MAX_DELIVERIES, trim_every_s: float | None = 1.0,
-                 handler_timeout_s: float = 0.0):
+                 handler_timeout_s: float = 0.0, count_on_use: bool = False):
         """`trim_every_s`: least seconds between two `trim_acked` calls from `ack` (0: after every
         ack; None: never, the stream keeps acked entries until MAXLEN). `handler_timeout_s`: the
         handler deadline of the module docstring (0: none; the learner holds entries until its
-        checkpoint on purpose)."""
+        checkpoint on purpose). `count_on_use`: a delivery counts at `handling()`, not at `read()`
+        (a batch reader that reads ahead; see the module docstring)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
         self.trim_every_s = trim_every_s
@@ -253,12 +285,14 @@ class StreamConsumer(Generic[T]):
         self.reclaim_idle_ms = reclaim_idle_ms
         self.reclaim_every = reclaim_every
         self.max_deliveries = max_deliveries
+        self.count_on_use = count_on_use
         self.dead_letters = dead_letter_stream(stream)
         self._reads = 0
         self._own_pending_done = False
         self._own_cursor = "0-0"
         self._reclaim_cursor = b"0-0"
         self._held: set[bytes] = set()  # delivered to the caller, not yet acked, nacked or dead-lettered
+        self._in_use: set[bytes] = set()  # count_on_use: held entries the caller started handling
         self.handler_timeout_s = handler_timeout_s
         self._held_since: dict[bytes, tuple[float, Delivery]] = {}  # with a deadline: when each was handed out
         self._errors: "OrderedDict[bytes, str]" = OrderedDict()  # last nack error per entry
@@ -381,9 +415,9 @@ class StreamConsumer(Generic[T]):
                              f"XCLAIM {self.stream} (lease)")
 
     async def _deliver(self, entries: list[Entry]) -> list[Delivery[T]]:
+            self._in_use.intersection_update(self._held)
         out: list[Delivery[T]] = []
         dead: list[tuple[bytes, dict, str]] = []
-        redelivered = 0
         for entry_id, fields, reclaimed, times in entries:
             if times > self.max_deliveries:  # its consumers died on it every time: no one could nack
                 dead.append((entry_id, fields, self._exhausted(entry_id, times - 1)))
@@ -397,17 +431,59 @@ class StreamConsumer(Generic[T]):
                 dead.append((entry_id, fields, f"{type(exc).__name__}: {exc}"))
                 continue
             out.append(Delivery(entry_id, message, reclaimed, times, raw))
-            redelivered += times > 1
+        if dead:
+            await self._dead_letter(dead)
+        if self.count_on_use and out:  # this read is no delivery: back to the times handled before it
+            out = await self._set_counts(out, "set", [d.deliveries - 1 for d in out])
+        redelivered = sum(d.deliveries > (0 if self.count_on_use else 1) for d in out)
         if redelivered:
             metrics.STREAM_MESSAGES_REDELIVERED.labels(self.stream).inc(redelivered)
         self._held.update(d.entry_id for d in out)
         if self.handler_timeout_s > 0:
             now = asyncio.get_running_loop().time()
-            self._held_since.update((d.entry_id, (now, d)) for d in out)
-        if dead:
-            await self._dead_letter(dead)
+            self._held_since.update((d.entry_id, (now, d)) for d in deliveries)
+
+    async def _set_counts(self, deliveries: list[Delivery[T]], mode: str, values: list[int]) -> list[Delivery[T]]:
+        """SET_COUNTS_SCRIPT: each delivery's counter set to its value ('set') or raised by it ('add');
+        stores the counters in force in `deliveries` and returns those still this consumer's."""
+        args: list[Any] = [self.group, self.consumer, mode]
+        for d, v in zip(deliveries, values):
+            args += [d.entry_id, v]
+
+        async def op() -> Any:
+            return await self.client.eval(SET_COUNTS_SCRIPT, 1, self.stream, *args)
+        counts = await self._call(op, f"XCLAIM {self.stream} (delivery counts)")
+        kept = []
+        for d, n in zip(deliveries, counts):
+            if int(n) < 0:  # acked meanwhile, or another consumer's now: not ours to hand out
+                self._held.discard(d.entry_id)
+                continue
+            d.deliveries = int(n)
+            kept.append(d)
+        return kept
+
+    async def handling(self, deliveries: Iterable[Delivery[T]]) -> list[Delivery[T]]:
+        """The caller starts handling `deliveries`. With `count_on_use`, this is their delivery: each
+        counter rises by one (`Delivery.deliveries` becomes the attempt number, as a read gives it
+        without `count_on_use`) and the handler deadline starts; an entry handled `max_deliveries`
+        times by callers that died on it is dead-lettered at its next read. Returns the deliveries
+        still this consumer's (all of them without `count_on_use`, where the read counted already)."""
+        deliveries = list(deliveries)
+        if not self.count_on_use or not deliveries:
+            return deliveries
+        kept = await self._set_counts(deliveries, "add", [1] * len(deliveries))
+        self._in_use.update(d.entry_id for d in kept)
+        if len(kept) < len(deliveries):
+            log.warning("%d of %d entries of %s were no longer this consumer's when handled",
+                        len(deliveries) - len(kept), len(deliveries), self.stream)
+        self._start_deadline(kept)
+        return kept
+
+        if not self.count_on_use:
+            self._start_deadline(out)
         return out
 
+    def _start_deadline(self, deliveries: list[Delivery[T]]) -> None:
     async def expire_held(self) -> list[Delivery[T]]:
         """Nack (and count) the entries held past `handler_timeout_s` without ack, nack or dead-letter;
         returns them. `read()` calls it first."""
@@ -451,6 +527,11 @@ class StreamConsumer(Generic[T]):
         if retry:
             for i in retry:
                 self._errors[i] = reason
+        if self.count_on_use:  # a failure is a use: one not started yet counts now, or it could loop for ever
+            fresh = [d for d in deliveries if d.entry_id not in self._in_use]
+            if fresh:
+                await self.handling(fresh)
+            self._in_use.difference_update(d.entry_id for d in deliveries)
                 self._errors.move_to_end(i)
             while len(self._errors) > ERRORS_KEPT:
                 self._errors.popitem(last=False)
@@ -493,6 +574,7 @@ class StreamConsumer(Generic[T]):
     async def ack(self, entry_ids: Iterable[bytes]) -> int:
         """Acknowledge entries the caller has used; returns how many were pending."""
         ids = list(entry_ids)
+            self._in_use.discard(entry_id)
         if not ids:
             return 0
         n = await self._call(lambda: self.client.xack(self.stream, self.group, *ids), f"XACK {self.stream}")
@@ -504,6 +586,7 @@ class StreamConsumer(Generic[T]):
         await self._maybe_trim()
         return int(n)
 
+        self._in_use.difference_update(ids)
     async def _maybe_trim(self) -> None:
         if self.trim_every_s is None:
             return

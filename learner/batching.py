@@ -16,8 +16,10 @@ Owns the learner's bookkeeping of stream entries, not the update maths
    stale ones or mark them for importance correction (learner/staleness.py), and drop
    GRPO groups whose rewards are all equal (`zero_variance`: no advantage to learn from);
    every set-aside entry is counted, never left pending;
-4. hand out `groups_per_update` units at a time; the learner reports each batch as
-   `trained`, `requeue`d (a failed update: retried once) or `dead_letter`ed. With
+4. hand out `groups_per_update` units at a time; the learner `charge`s a batch as it enters an
+   update (the consumer counts a delivery there, `count_on_use` in infra/streams.py: what is
+   read ahead and never trained costs nothing when a restarted learner reads it back), then
+   reports it as `trained`, `requeue`d (a failed update: retried once) or `dead_letter`ed. With
    `max_groups_per_update`, a batch is handed out short once that many groups have come
    in since the last one (DAPO's dynamic sampling bounds its generation batches the same
    way, `max_num_gen_batches`, but stops with an error where this trains on what it has).
@@ -74,10 +76,11 @@ class GroupBatcher:
         self.staleness, self.read_block_ms = staleness_filter, read_block_ms
         self.consumed_ids: list[str] = []  # trajectory ids used by updates of this process, in order
         self.lineage: "OrderedDict[str, None]" = OrderedDict()  # ids trained into the weights (checkpointed, bounded)
-        self.redelivered = 0  # trajectories trained here that an earlier delivery had not got into a checkpoint
+        self.redelivered = 0  # trajectories trained here that had entered an update of an earlier process
         self.last_entry_id = ""
         self._to_ack: "OrderedDict[bytes, None]" = OrderedDict()  # used or set aside; acked after the next checkpoint
-        self._deliveries: dict[bytes, int] = {}
+        self._deliveries: dict[bytes, Delivery] = {}  # held entries' deliveries, charged when they enter an update
+        self._first_use: dict[bytes, int] = {}  # an entry's delivery count at its first update in this process
         self._groups: "OrderedDict[str, list[Held]]" = OrderedDict()
         self._group_seen_at: dict[str, float] = {}
         self._held_ids: dict[str, bytes] = {}
@@ -137,13 +140,21 @@ class GroupBatcher:
         self._came_in = 0
         return units
 
+    async def charge(self, units: list[Unit]) -> None:
+        """`units` enter an update: their entries count as delivered now (StreamConsumer.handling)."""
+        ds = [self._deliveries[e] for u in units for e in u.entry_ids if e in self._deliveries]
+        for d in await self.consumer.handling(ds):
+            self._first_use.setdefault(d.entry_id, d.deliveries)
+
     def trained(self, units: list[Unit]) -> None:
         """An update used `units`: remember their ids; their entries are acked at the next `flush_acks`."""
         trajs = [t for u in units for t in u.trajs]
         ids = [e for u in units for e in u.entry_ids]
         self._release(trajs)
         self._queue_ack(ids)
-        self.redelivered += sum(self._deliveries.pop(e, 1) > 1 for e in ids)
+        self.redelivered += sum(self._first_use.pop(e, 1) > 1 for e in ids)  # retrained: an update had it before
+        for e in ids:
+            self._deliveries.pop(e, None)
         self.consumed_ids += [t.trajectory_id for t in trajs]
         for t in trajs:
             self.lineage[t.trajectory_id] = None
@@ -166,6 +177,7 @@ class GroupBatcher:
         self._release([d.message for d in deliveries])
         for d in deliveries:
             self._deliveries.pop(d.entry_id, None)
+            self._first_use.pop(d.entry_id, None)
         self._count("dead_letter", len(deliveries))
         return [d.entry_id for d in deliveries]
 
@@ -218,7 +230,7 @@ class GroupBatcher:
             self._groups.setdefault(key, []).append(Held(d.entry_id, t, d.deliveries))
             self._group_seen_at.setdefault(key, time.monotonic())
             self._held_ids[tid] = d.entry_id
-            self._deliveries[d.entry_id] = d.deliveries
+            self._deliveries[d.entry_id] = d
         await self.consumer.ack(dup_acks)  # safe at once: the trajectory's own entry carries it to the lineage
 
     def _count(self, outcome: str, n: int = 1) -> None:

@@ -7,6 +7,8 @@ learner/losses.py) nor the transport (infra/streams.py):
 
 1. ask the batcher for the next `groups_per_update` units (it reads the stream once);
    units whose entries already failed twice go to the dead-letter stream instead;
+   the others are charged a delivery as they enter the update, not when they were read
+   ahead (the consumer is `count_on_use`, infra/streams.py);
 2. record the update's entries in the in-flight file (learner/inflight.py), snapshot
    the trainable weights and optimizer state (learner/guard.py), and apply one update
    in the learner's own update thread, so the workers and an engine sharing the event
@@ -30,7 +32,8 @@ trajectory, and this one keeps `checkpoint_every` a free knob (a full-model save
 update costs more than the update on a small CPU model). A `kill -9` costs at most the
 compute of the updates since the last checkpoint: their entries are still pending in
 the learner group, the restarted learner (same consumer name, `--resume`) reads them
-back first and retrains them (counted as `redelivered`); entries of the update it died
+back first and retrains them (counted as `redelivered`: what an update of an earlier
+process had; entries only read ahead are neither charged nor counted); entries of the update it died
 in get a strike (retrain once, then dead-letter), so a message that kills the learner
 cannot crash-loop it. A crash between the checkpoint and its XACK only causes
 redeliveries that the checkpoint's dedupe memory recognises (never trained twice).
@@ -203,7 +206,8 @@ class Learner:
 
     @property
     def redelivered(self) -> int:
-        """Trajectories trained here whose earlier delivery was lost with a crash before its checkpoint."""
+        """Trajectories trained here that an update of an earlier learner process had (lost with a crash
+        before its checkpoint, so retrained); read-ahead never counts."""
         return self.batches.redelivered
 
     # ---- the loop -----------------------------------------------------------------
@@ -263,6 +267,7 @@ class Learner:
         """The update failed: weights and optimizer as before, nothing published, the batch struck."""
         self.guard.restore()
         self.ledger.end(failed=True)
+        await self.batches.charge(units)
         kind = reason.split(":")[0]
         self.failed_updates[kind] = self.failed_updates.get(kind, 0) + 1
         log.error("update %d undone (%s); weights restored, nothing published", self.updates + 1, reason)
@@ -381,10 +386,11 @@ async def run_updates(learner: Any, total: int, on_update: Callable[[UpdateStats
 def stream_learner(cfg: Config, client: Any, prefix: str, run_dir: str | Path, policy_engines: Any,
                    policy_model: str) -> Learner:
     """The run's learner: GRPO/PPO on the trajectory stream of `prefix` (consumer `learner-0` of the
-    learner group, so a restarted learner reads back its own pending entries), publishing to `policy_engines`."""
+    learner group, so a restarted learner reads back its own pending entries, counting a delivery as an
+    entry enters an update), publishing to `policy_engines`."""
     consumer = StreamConsumer(client, trajectories_stream(prefix), LEARNER_GROUP, "learner-0",
                               lambda b: decode_as(b, Trajectory), reclaim_idle_ms=cfg.infra.reclaim_idle_ms,
-                              max_deliveries=cfg.infra.max_deliveries)
+                              max_deliveries=cfg.infra.max_deliveries, count_on_use=True)
     dtype = cfg.engines.dtype if cfg.learner.publish_dtype == "auto" else cfg.learner.publish_dtype
     publisher = WeightPublisher(run_dir, policy_engines, keep=cfg.learner.keep_weights, dtype=dtype,
                                 root=cfg.infra.weights_dir)

@@ -77,7 +77,7 @@ async def make_learner(redis_url, run_dir, tiny_dir, prefix="faults", policy=Non
     client = connect(redis_url)
     stream = trajectories_stream(prefix)
     consumer = StreamConsumer(client, stream, LEARNER_GROUP, "learner-0", lambda b: decode_as(b, Trajectory),
-                              max_deliveries=5)
+                              max_deliveries=5, count_on_use=True)  # as learner.stream_learner makes it
     await consumer.ensure_group()
     learner = Learner(lcfg(**cfg), str(tiny_dir), run_dir, consumer, WeightPublisher(run_dir), group_size=2,
                       policy=policy or tiny_policy(tiny_dir), read_block_ms=20)
