@@ -408,6 +408,7 @@ class StreamConsumer(Generic[T]):
         pending = await self._call(op, f"XPENDING {self.stream}")
         if len(pending) < limit:  # the whole list: held ids missing from it were acked or taken elsewhere
             self._held.intersection_update(p["message_id"] for p in pending)
+            self._in_use.intersection_update(self._held)
         old = [p["message_id"] for p in pending
                if p["message_id"] in self._held and p["time_since_delivered"] >= self.reclaim_idle_ms // 2]
         if old:
@@ -415,7 +416,6 @@ class StreamConsumer(Generic[T]):
                              f"XCLAIM {self.stream} (lease)")
 
     async def _deliver(self, entries: list[Entry]) -> list[Delivery[T]]:
-            self._in_use.intersection_update(self._held)
         out: list[Delivery[T]] = []
         dead: list[tuple[bytes, dict, str]] = []
         for entry_id, fields, reclaimed, times in entries:
@@ -439,6 +439,11 @@ class StreamConsumer(Generic[T]):
         if redelivered:
             metrics.STREAM_MESSAGES_REDELIVERED.labels(self.stream).inc(redelivered)
         self._held.update(d.entry_id for d in out)
+        if not self.count_on_use:
+            self._start_deadline(out)
+        return out
+
+    def _start_deadline(self, deliveries: list[Delivery[T]]) -> None:
         if self.handler_timeout_s > 0:
             now = asyncio.get_running_loop().time()
             self._held_since.update((d.entry_id, (now, d)) for d in deliveries)
@@ -479,11 +484,6 @@ class StreamConsumer(Generic[T]):
         self._start_deadline(kept)
         return kept
 
-        if not self.count_on_use:
-            self._start_deadline(out)
-        return out
-
-    def _start_deadline(self, deliveries: list[Delivery[T]]) -> None:
     async def expire_held(self) -> list[Delivery[T]]:
         """Nack (and count) the entries held past `handler_timeout_s` without ack, nack or dead-letter;
         returns them. `read()` calls it first."""
@@ -520,6 +520,11 @@ class StreamConsumer(Generic[T]):
         if not deliveries:
             return []
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if self.count_on_use:  # a failure is a use: one not started yet counts now, or it could loop for ever
+            fresh = [d for d in deliveries if d.entry_id not in self._in_use]
+            if fresh:
+                await self.handling(fresh)
+            self._in_use.difference_update(d.entry_id for d in deliveries)
         metrics.STREAM_MESSAGES_NACKED.labels(self.stream).inc(len(deliveries))
         self._held.difference_update(d.entry_id for d in deliveries)
         spent = [d for d in deliveries if d.deliveries >= self.max_deliveries]
@@ -527,11 +532,6 @@ class StreamConsumer(Generic[T]):
         if retry:
             for i in retry:
                 self._errors[i] = reason
-        if self.count_on_use:  # a failure is a use: one not started yet counts now, or it could loop for ever
-            fresh = [d for d in deliveries if d.entry_id not in self._in_use]
-            if fresh:
-                await self.handling(fresh)
-            self._in_use.difference_update(d.entry_id for d in deliveries)
                 self._errors.move_to_end(i)
             while len(self._errors) > ERRORS_KEPT:
                 self._errors.popitem(last=False)
@@ -567,6 +567,7 @@ class StreamConsumer(Generic[T]):
         await self._call(op, f"dead-letter {self.stream}")
         for entry_id, _, reason in dead:
             self._held.discard(entry_id)
+            self._in_use.discard(entry_id)
             self._errors.pop(entry_id, None)
             metrics.STREAM_DEAD_LETTERS.labels(self.stream, reason.split(":")[0]).inc()
             log.log(level, "dead-lettered an entry of %s: %s", self.stream, reason)
@@ -574,11 +575,11 @@ class StreamConsumer(Generic[T]):
     async def ack(self, entry_ids: Iterable[bytes]) -> int:
         """Acknowledge entries the caller has used; returns how many were pending."""
         ids = list(entry_ids)
-            self._in_use.discard(entry_id)
         if not ids:
             return 0
         n = await self._call(lambda: self.client.xack(self.stream, self.group, *ids), f"XACK {self.stream}")
         self._held.difference_update(ids)
+        self._in_use.difference_update(ids)
         if self._errors:
             for i in ids:
                 self._errors.pop(i, None)
@@ -586,7 +587,6 @@ class StreamConsumer(Generic[T]):
         await self._maybe_trim()
         return int(n)
 
-        self._in_use.difference_update(ids)
     async def _maybe_trim(self) -> None:
         if self.trim_every_s is None:
             return

@@ -227,6 +227,7 @@ class Learner:
             self.batches.requeue(kept)
             return None
         t0 = time.monotonic()
+        await self.batches.charge(units)
         self.ledger.begin(self.updates + 1, [e for u in units for e in u.entry_ids])
         self.guard.snapshot()
         update = self.ranks.update if self.ranks is not None else apply_update
@@ -267,7 +268,6 @@ class Learner:
         """The update failed: weights and optimizer as before, nothing published, the batch struck."""
         self.guard.restore()
         self.ledger.end(failed=True)
-        await self.batches.charge(units)
         kind = reason.split(":")[0]
         self.failed_updates[kind] = self.failed_updates.get(kind, 0) + 1
         log.error("update %d undone (%s); weights restored, nothing published", self.updates + 1, reason)
