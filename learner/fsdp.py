@@ -1,17 +1,23 @@
-"""The learner on several GPUs of one node: FSDP2 ranks (`learner.num_gpus`).
+"""The learner on several GPUs: FSDP2 ranks (`learner.num_gpus`), and the orders rank 0 gives them.
 
-Owns the ranks of a learner with `learner.num_gpus` = N > 1: starting and ending them,
-what every rank holds, and the orders rank 0 gives the others; not the update maths
-(learner/update.py, which every rank runs with its `RankShare`) nor the loop
+Owns what every rank holds and does, and the calls they make together; not the update
+maths (learner/update.py, which every rank runs with its `RankShare`), nor the loop
 (learner/learner.py, which is rank 0 and goes through `Ranks` wherever it would touch
-the policy's weights):
+the policy's weights), nor how the other ranks' processes start (a `RankLauncher`):
 
-- Rank 0 is the learner's own process. Ranks 1..N-1 are `python -m learner.fsdp`
-  children it starts; each gets its orders over a private socket pair as msgpack frames
-  (the batch as the wire schema's Trajectory bytes, infra/schema.py: no pickle crosses
-  between them), and the process group meets at a TCPStore rank 0 opens on a free
-  port of 127.0.0.1. Rank k computes on `cuda:<i+k>` when `learner.device` is
-  `cuda:<i>` (NCCL), or on the CPU with gloo (how tests/test_fsdp.py runs two ranks).
+- Rank 0 is the learner's own process. Ranks 1..N-1 are started by a launcher: torch's
+  elastic launcher on this node (learner/elastic_ranks.py, `dreamgym train` without Ray)
+  or Ray actors placed by the `learner_gpu` label, possibly on other nodes
+  (infra/run/cluster/learner_ranks.py, with `actors.runtime=ray`). Each runs `serve`.
+  All meet in torch's own rendezvous (`init_process_group("tcp://<rank 0's host>:<free
+  port>")`, the env:// contract torchrun and Ray Train use): NCCL on GPUs, gloo on the CPU
+  (how tests/test_fsdp.py runs two ranks). Rank k computes on the device its launcher
+  gives it (`cuda:<i+k>` of `learner.device=cuda:<i>` on one node; a Ray actor's own GPU).
+- Orders travel over the process group itself (a gloo group beside NCCL's): rank 0
+  broadcasts each as msgpack bytes (the batch as the wire schema's Trajectory bytes,
+  infra/schema.py: no pickle crosses between ranks), every rank carries it out, and all
+  answer in one all-reduce of their status (done, or non-finite). One channel for both
+  launchers, and a rank that died breaks it at once: gloo's next collective with it fails.
 - Every rank builds the policy as the learner does (`PolicyModel.for_learner`: the
   same weights from the same model directory, the KL reference copied before
   sharding), shards it with `fully_shard`, and keeps an AdamW and a WeightGuard over
@@ -30,7 +36,7 @@ the policy's weights):
   full state dict to rank 0 (`get_model_state_dict(full_state_dict, cpu_offload)`), in
   the single-process formats, so engines load it as before and a checkpoint resumes
   with any `learner.num_gpus`; on resume every rank reads the checkpoint file itself
-  (one node, one disk) and keeps its shard (`Ranks.load`).
+  (`infra.run_dir` is one shared path on every node) and keeps its shard (`Ranks.load`).
 
 Where it departs from the usual recipe (a unit per decoder layer, then the root): the
 whole policy is one FSDP unit, with `forward_choice` registered as its forward. One
@@ -44,11 +50,13 @@ reduce-scatters once per backward, whatever the micro-batch holds: the master we
 the gradients between micro-batches and AdamW's moments are sharded (1/N each); the
 parameters and gradients inside one micro-batch's forward/backward are whole.
 
-Limits, as errors rather than silent: `learner.lora_rank > 0` with N > 1 is a
-ConfigError (publishing merges the adapter in one process); a rank that fails other
-than non-finite (a bug, an out-of-memory) leaves the collectives out of step, so rank 0
-raises `RankFailure`, which the learner does not undo: its loop ends, and `--resume`
-gives the batch a strike (learner/inflight.py). Each rank loads the whole model before
+Failures, as errors rather than silent: `learner.lora_rank > 0` with N > 1 is a
+ConfigError (publishing merges the adapter in one process). A rank that fails other than
+non-finite (a bug, an out-of-memory, a kill) exits, which breaks the collectives; rank 0
+then raises `RankFailure`, naming the rank and how it ended, and ends the others. The
+learner cannot undo that update (the shards are out of step), so it restarts its ranks
+from the last checkpoint (learner/learner.py). On NCCL a dead peer is noticed when the
+collective times out (`TIMEOUT`), on gloo at once. Each rank loads the whole model before
 sharding it, and with `kl_coef > 0` keeps a whole frozen reference copy.
 """
 
@@ -60,13 +68,10 @@ import datetime
 import logging
 import os
 import socket
-import subprocess
-import sys
 import threading
+import time
 import weakref
-from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import msgpack
 import torch
@@ -78,7 +83,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
 from infra.config import ConfigError, LearnerConfig
-from infra.processes import stop_process
 from infra.schema import Trajectory, decode_as, encode
 from learner import checkpoint as ckpt
 from learner.guard import NonFiniteUpdate, WeightGuard
@@ -91,23 +95,48 @@ log = logging.getLogger(__name__)
 TIMEOUT = datetime.timedelta(minutes=10)  # the ranks' rendezvous, or one collective, waiting longer fails
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU only
 SCATTER = StateDictOptions(full_state_dict=True, strict=False)  # each rank keeps its shard of whole tensors
-ROOT = Path(__file__).resolve().parents[1]  # on the ranks' PYTHONPATH: `python -m learner.fsdp` from any cwd
+DONE, NONFINITE = 0.0, 1.0  # a rank's answer to an order
 
 
 class RankFailure(RuntimeError):
-    """A rank failed other than non-finite, or died: the ranks' collectives are out of step, so the
-    learner cannot go on (not undone like a failed update)."""
+    """A rank failed other than non-finite, or died: the ranks' collectives are out of step, so this
+    update cannot be undone (the learner restarts its ranks from the last checkpoint)."""
 
 
-def check_ranks(cfg: LearnerConfig) -> None:
-    """ConfigError unless this machine can run `learner.num_gpus` ranks from `learner.device` on."""
+class RankLauncher(Protocol):
+    """Starts and ends ranks 1..N-1 of a learner whose rank 0 is this process (each runs `serve`)."""
+
+    host: str  # the address the other ranks reach this process at (the rendezvous)
+
+    def check(self, cfg: LearnerConfig) -> None:
+        """ConfigError if `cfg`'s ranks cannot run where this launcher puts them."""
+
+    def device(self, cfg: LearnerConfig, rank: int) -> str:
+        """The device rank `rank` computes on (rank 0: this process's)."""
+
+    def start(self, init: dict) -> None:
+        """Start ranks 1..init['world']-1, each calling `serve(init, rank, device)`."""
+
+    def failures(self) -> list[str]:
+        """How each rank that ended ended (empty while all run); non-blocking."""
+
+    def pids(self) -> dict[int, int]:
+        """rank -> process id (tests kill one)."""
+
+    def stop(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the ranks to leave, then end those that did not."""
+
+
+def check_ranks(cfg: LearnerConfig, one_node: bool = True) -> None:
+    """ConfigError unless `learner.num_gpus` ranks can run: a fully fine-tuned policy and, with every rank on
+    this node (`one_node`), as many CUDA devices from `learner.device` on."""
     n = cfg.num_gpus
     if n == 1:
         return
     if cfg.lora_rank > 0:
         raise ConfigError(f"learner.num_gpus={n} shards a fully fine-tuned policy; LoRA's adapter is merged in one "
                           f"process: set learner.lora_rank=0 or learner.num_gpus=1")
-    if cfg.device.startswith("cuda"):
+    if cfg.device.startswith("cuda") and one_node:
         check_device(cfg.device, "learner.device")
         first, count = torch.device(cfg.device).index or 0, torch.cuda.device_count()
         if first + n > count:
@@ -180,14 +209,6 @@ def load_full(policy: PolicyModel, optimizer: torch.optim.Optimizer, payload: di
     set_optimizer_state_dict(policy, optimizer, by_name, options=SCATTER)
 
 
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False)
-
-
 def encode_units(units: Sequence[Unit]) -> list[dict]:
     return [{"trajs": [encode(t) for t in u.trajs],
              "advantages": [float(a) for a in u.advantages] if u.advantages is not None else None,
@@ -198,66 +219,75 @@ def decode_units(raw: list[dict]) -> list[Unit]:
     return [Unit([decode_as(b, Trajectory) for b in u["trajs"]], u["advantages"], u["corrected"]) for u in raw]
 
 
-def _end(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
-    """Tell every other rank to stop, give it a moment to leave the group, then end it."""
-    for conn in conns:
-        try:
-            conn.send_bytes(_pack({"op": "stop"}))
-            conn.close()
-        except OSError:
-            pass
-    for proc in procs:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:  # stuck in a collective after a failure
-            stop_process(proc, 20)
+def free_port(host: str) -> int:
+    """A port free on `host` now, for the rendezvous (the way torchrun and Ray Train pick theirs)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def join(init: dict, rank: int) -> Any:
+    """Join the ranks' process group (torch's TCP rendezvous at rank 0's host); the group orders go over."""
+    backend = init["backend"]
+    dist.init_process_group(backend, init_method=f"tcp://{init['addr']}:{init['port']}", rank=rank,
+                            world_size=init["world"], timeout=TIMEOUT)
+    # Orders are bytes on the CPU: beside NCCL they travel over a gloo group of the same ranks.
+    return dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else dist.group.WORLD
+
+
+def broadcast_bytes(data: bytes | None, group: Any) -> bytes:
+    """Rank 0's `data` on every rank of `group` (others pass None): its length, then its bytes."""
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, 0, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None \
+        else torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, 0, group=group)
+    return buf.numpy().tobytes()
+
+
+def answer(status: float, group: Any) -> list[float]:
+    """Every rank's answer to the last order (DONE or NONFINITE), on every rank."""
+    out = torch.zeros(dist.get_world_size(group))
+    out[dist.get_rank(group)] = status
+    dist.all_reduce(out, group=group)
+    return out.tolist()
 
 
 class Ranks:
-    """Rank 0's side: the other ranks' processes, and the calls every rank makes together."""
+    """Rank 0's side: the launcher of the others, and the calls every rank makes together."""
 
-    def __init__(self, policy: PolicyModel, share: RankShare, procs: list[subprocess.Popen],
-                 conns: list[Connection]):
-        self.policy, self.share, self.procs, self.conns = policy, share, procs, conns
-        self._end = weakref.finalize(self, _end, procs, conns)  # at interpreter exit at the latest
+    def __init__(self, policy: PolicyModel, share: RankShare, launcher: RankLauncher, control: Any):
+        self.policy, self.share, self.launcher, self.control = policy, share, launcher, control
+        self._end = weakref.finalize(self, launcher.stop, 0.0)  # at interpreter exit at the latest
         self._lock = threading.Lock()  # one order at a time: the update, publish and checkpoint threads
 
     @classmethod
-    def start(cls, cfg: LearnerConfig, model_name: str, policy: PolicyModel) -> Ranks:
-        """Start ranks 1..N-1, join them in a process group and shard `policy` (rank 0's, built from `model_name`)."""
-        check_ranks(cfg)
-        n, device = cfg.num_gpus, rank_device(cfg, 0)
+    def start(cls, cfg: LearnerConfig, model_name: str, policy: PolicyModel, launcher: RankLauncher) -> Ranks:
+        """Start ranks 1..N-1 with `launcher`, join them in a process group and shard `policy` (rank 0's,
+        built from `model_name`); RankFailure if a rank ends before every rank is up."""
+        launcher.check(cfg)
+        n, device = cfg.num_gpus, launcher.device(cfg, 0)
         if device.startswith("cuda"):
             torch.cuda.set_device(device)
-        store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-        procs, conns = [], []
+        init = {"world": n, "addr": launcher.host, "port": free_port(launcher.host), "model": model_name,
+                "cfg": dataclasses.asdict(cfg), "backend": _backend(device)}
+        launcher.start(init)
         try:
-            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-            env = dict(os.environ, PYTHONPATH=path)
-            for rank in range(1, n):
-                mine, theirs = socket.socketpair()
-                procs.append(subprocess.Popen([sys.executable, "-m", "learner.fsdp", str(theirs.fileno())],
-                                              pass_fds=[theirs.fileno()], env=env))
-                theirs.close()
-                conns.append(Connection(mine.detach()))
-                conns[-1].send_bytes(_pack({"rank": rank, "world": n, "port": store.port, "model": model_name,
-                                            "cfg": dataclasses.asdict(cfg)}))
-            for rank, (proc, conn) in enumerate(zip(procs, conns), start=1):  # each is up before the rendezvous
-                while not conn.poll(1.0) and proc.poll() is None:
-                    pass
-                try:
-                    conn.recv_bytes()
-                except (EOFError, OSError):
-                    raise RankFailure(f"FSDP rank {rank} exited with code {proc.wait()} while starting") from None
-            dist.init_process_group(_backend(device), store=store, rank=0, world_size=n, timeout=TIMEOUT)
-            ranks = cls(policy, shard(policy, n, device), procs, conns)
-            ranks._replies()  # every rank loaded and sharded its policy
+            control = _watched(lambda: join(init, 0), launcher, "joining the process group")
+            ranks = cls(policy, shard(policy, n, device), launcher, control)
+            # every rank loaded and sharded its policy: they answer once
+            if _watched(lambda: answer(DONE, control), launcher, "loading the policy") != [DONE] * n:
+                raise RankFailure("a rank did not start")
         except BaseException:
-            _end(procs, conns)
+            launcher.stop(0.0)
             if dist.is_initialized():
                 dist.destroy_process_group()
             raise
-        log.info("learner: %d FSDP ranks on %s", n, ", ".join(rank_device(cfg, k) for k in range(n)))
+        log.info("learner: %d FSDP ranks on %s", n, ", ".join(launcher.device(cfg, k) for k in range(n)))
         return ranks
 
     def update(self, policy: PolicyModel, optimizer: torch.optim.Optimizer, cfg: LearnerConfig,
@@ -265,32 +295,30 @@ class Ranks:
         """`update.apply_update` on every rank, each with its share of the micro-batches."""
         # A batch that cannot train raises here, before any other rank starts: an ordinary undone update.
         plan(units, cfg, self.policy.lm.config.vocab_size)
-        with self._lock:
-            self._send({"op": "update", "units": encode_units(units), "version": version})
-            try:
-                with self._device():
-                    stats = apply_update(policy, optimizer, cfg, units, version, self.share)
-            except NonFiniteUpdate:
-                self._replies(nonfinite=True)  # every rank decided alike: the learner undoes it on all of them
-                raise
-            except Exception as exc:
-                raise self._failed(f"rank 0: {type(exc).__name__}: {exc}") from exc
-            self._replies()
-        return stats
+        return self.call({"op": "update", "units": encode_units(units), "version": version},
+                         lambda: apply_update(policy, optimizer, cfg, units, version, self.share))
 
     def call(self, order: dict, local: Callable[[], Any]) -> Any:
-        """Give every other rank `order`, run `local` here meanwhile, wait for them; `local`'s result."""
+        """Give every other rank `order`, run `local` here meanwhile, collect their answers; `local`'s result.
+        NonFiniteUpdate when every rank found the same non-finite value, RankFailure on anything else."""
         with self._lock:
-            self._send(order)
             try:
+                broadcast_bytes(msgpack.packb(order, use_bin_type=True), self.control)
                 with self._device():
-                    out = local()
+                    try:
+                        out, status, raised = local(), DONE, None
+                    except NonFiniteUpdate as exc:  # every rank decided alike: all answer so
+                        out, status, raised = None, NONFINITE, exc
+                said = answer(status, self.control)
             except Exception as exc:
                 raise self._failed(f"rank 0: {type(exc).__name__}: {exc}") from exc
-            self._replies()
+            if any(s != status for s in said):
+                raise self._failed(f"ranks answered {said} to {order['op']!r}, rank 0 {status}")
+            if raised is not None:
+                raise raised
         return out
 
-    def save_hf(self, path: str | Path, dtype: str = "float32") -> Path:
+    def save_hf(self, path: str | os.PathLike, dtype: str = "float32") -> Any:
         """The publisher's call (learner/weights.py): the gathered weights as a Hugging Face directory."""
         model, _ = self.call({"op": "gather", "optimizer": False}, lambda: gather(self.policy, None))
         return self.policy.save_hf(path, lm_state={k[3:]: v for k, v in model.items() if k.startswith("lm.")},
@@ -307,7 +335,7 @@ class Ranks:
                 {"state": {index[n]: s for n, s in optim["state"].items()},
                  "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]]})
 
-    def load(self, path: str | Path, optimizer: torch.optim.Optimizer) -> ckpt.TrainState:
+    def load(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer) -> ckpt.TrainState:
         """Restore a checkpoint on every rank (each reads the file); rank 0 takes its RNG and train state."""
         payload = ckpt.read(path)  # unreadable: CheckpointError here, before any rank is told
         self.call({"op": "load", "path": str(path)}, lambda: load_full(self.policy, optimizer, payload))
@@ -316,7 +344,15 @@ class Ranks:
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group (a later learner in this process makes its own)."""
-        self._end()
+        if not self._end.alive:
+            return
+        try:
+            with self._lock:
+                broadcast_bytes(msgpack.packb({"op": "stop"}), self.control)
+        except Exception:  # a rank is gone already: the launcher ends the rest
+            pass
+        self._end.detach()
+        self.launcher.stop(20.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -326,43 +362,42 @@ class Ranks:
         device = self.share.device
         return torch.cuda.device(device) if device.startswith("cuda") else contextlib.nullcontext()
 
-    def _send(self, order: dict) -> None:
-        data = _pack(order)
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                conn.send_bytes(data)
-            except OSError as exc:
-                raise self._failed(f"rank {rank} is gone: {exc}") from exc
-
-    def _replies(self, nonfinite: bool = False) -> None:
-        errors = []
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                reply = _unpack(conn.recv_bytes())
-            except (EOFError, OSError):
-                errors.append(f"rank {rank} exited (code {self.procs[rank - 1].poll()})")
-                continue
-            if not (reply.get("ok") or (nonfinite and reply.get("nonfinite"))):
-                errors.append(f"rank {rank}: {reply.get('error') or 'non-finite where rank 0 was not'}")
-        if errors:
-            raise self._failed("; ".join(errors))
-
     def _failed(self, what: str) -> RankFailure:
-        """The ranks are out of step: collect what the others said, end them; the error to raise."""
-        said = []
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            try:
-                if conn.poll(5.0):
-                    said.append(f"rank {rank}: {_unpack(conn.recv_bytes()).get('error')}")
-                    continue
-            except (EOFError, OSError):
-                pass
-            try:
-                said.append(f"rank {rank} exited with code {proc.wait(5)}")
-            except subprocess.TimeoutExpired:  # alive, waiting in a collective: close() ends it
-                pass
-        self.close()
-        return RankFailure(f"FSDP learner ranks failed ({'; '.join([what, *said])}); the learner stops")
+        """The ranks are out of step: say how the others ended, end them, leave the group; the error to raise."""
+        said: list[str] = []
+        end = time.monotonic() + 5.0
+        while not said and time.monotonic() < end:  # a killed rank's exit reaches its launcher a moment later
+            said = self.launcher.failures()
+            time.sleep(0.1)
+        self._end.detach()
+        self.launcher.stop(0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return RankFailure(f"FSDP learner ranks failed ({'; '.join([what, *said])})")
+
+
+def _watched(call: Callable[[], Any], launcher: RankLauncher, what: str) -> Any:
+    """`call()` (a collective of rank 0 with ranks still starting) while watching them: RankFailure as soon
+    as one has ended, instead of waiting out the rendezvous timeout for a rank that will never come."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+    thread = threading.Thread(target=run, name="learner-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        failed = launcher.failures()
+        if failed and thread.is_alive():
+            raise RankFailure(f"FSDP learner ranks failed while {what}: {'; '.join(failed)}")
+    if "error" in box:
+        failed = launcher.failures()
+        raise RankFailure(f"FSDP learner ranks failed while {what}: "
+                          f"{'; '.join([repr(box['error']), *failed])}") from box["error"]
+    return box["out"]
 
 
 class RanksGuard:
@@ -378,15 +413,11 @@ class RanksGuard:
         self.ranks.call({"op": "restore"}, self.local.restore)
 
 
-def _backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def serve(fd: int) -> int:
-    """A rank k > 0: join the group, build and shard the policy, then carry out rank 0's orders until it stops."""
-    conn = Connection(fd)
-    init = _unpack(conn.recv_bytes())
-    cfg, rank, world = LearnerConfig(**init["cfg"]), init["rank"], init["world"]
+def serve(init: dict, rank: int, device: str) -> None:
+    """A rank k > 0 (any launcher's): join the group, build and shard the policy, then carry out rank 0's
+    orders until it says stop. Any error but a non-finite update propagates: the caller exits the process,
+    which breaks the collectives, so rank 0 fails at once instead of waiting in one."""
+    cfg = LearnerConfig(**init["cfg"])
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     if cfg.nice > 0:
@@ -394,31 +425,21 @@ def serve(fd: int) -> int:
             os.nice(cfg.nice)  # the whole rank process: rank 0's update thread takes the same niceness
         except OSError as exc:
             log.warning("learner.nice=%d not applied on FSDP rank %d: %s", cfg.nice, rank, exc)
-    device = rank_device(cfg, rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    conn.send_bytes(_pack({"ok": True}))  # up: rank 0 joins the rendezvous now
-    try:
-        store = dist.TCPStore("127.0.0.1", init["port"], world, is_master=False, timeout=TIMEOUT)
-        dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world, timeout=TIMEOUT)
-        policy = PolicyModel.for_learner(cfg, init["model"], Precision(device, cfg.dtype))
-        share = shard(policy, world, device)
-        optimizer = new_optimizer(policy, cfg)
-        guard = WeightGuard(policy.trainable_parameters(), optimizer)
-    except Exception as exc:  # rank 0 reports it (RankFailure) and ends the others
-        log.exception("FSDP rank %d could not start", rank)
-        conn.send_bytes(_pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
-        return 1
-    conn.send_bytes(_pack({"ok": True}))
+    control = join(init, rank)
+    policy = PolicyModel.for_learner(cfg, init["model"], Precision(device, cfg.dtype))
+    share = shard(policy, init["world"], device)
+    optimizer = new_optimizer(policy, cfg)
+    guard = WeightGuard(policy.trainable_parameters(), optimizer)
+    answer(DONE, control)  # up
     while True:
-        try:
-            order = _unpack(conn.recv_bytes())
-        except (EOFError, OSError):  # rank 0 is gone
-            return 1
+        order = msgpack.unpackb(broadcast_bytes(None, control), raw=False)
         op = order["op"]
         if op == "stop":
             dist.destroy_process_group()
-            return 0
+            return
+        status = DONE
         try:
             if op == "update":
                 apply_update(policy, optimizer, cfg, decode_units(order["units"]), order["version"], share)
@@ -432,15 +453,6 @@ def serve(fd: int) -> int:
                 load_full(policy, optimizer, ckpt.read(order["path"]))
             else:
                 raise ValueError(f"unknown order {op!r}")
-            conn.send_bytes(_pack({"ok": True}))
-        except NonFiniteUpdate as exc:
-            conn.send_bytes(_pack({"ok": False, "nonfinite": exc.where}))
-        except Exception as exc:  # out of step with rank 0 now: say why and exit, so its collectives fail fast
-            log.exception("FSDP rank %d: %s failed", rank, op)
-            conn.send_bytes(_pack({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
-            return 1
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING)
-    os._exit(serve(int(sys.argv[1])))
+        except NonFiniteUpdate:
+            status = NONFINITE
+        answer(status, control)

@@ -43,10 +43,20 @@ precision, `learner.device` and `learner.dtype` (learner/precision.py: 'bfloat16
 fp32 master weights and AdamW state and runs the forwards under bf16 autocast); the
 snapshot of step 2 is a second copy of the trainable weights on that device.
 
-With `learner.num_gpus` = N > 1 this process is rank 0 of N FSDP ranks on the node's GPUs
-(learner/fsdp.py): each keeps 1/N of the policy's weights, gradients and AdamW state and
-runs its share of every update's micro-batches; the update, the guard's snapshot and
-restore, publishing and checkpoints go through `Ranks`, and the loop above is unchanged.
+With `learner.num_gpus` = N > 1 this process is rank 0 of N FSDP ranks (learner/fsdp.py),
+the others started by a `RankLauncher`: torch's elastic launcher on this node
+(learner/elastic_ranks.py), or Ray actors on the `learner_gpu` nodes when the learner is
+itself a Ray actor (infra/run/cluster/learner_ranks.py). Each keeps 1/N of the policy's
+weights, gradients and AdamW state and runs its share of every update's micro-batches; the
+update, the guard's snapshot and restore, publishing and checkpoints go through `Ranks`,
+and the loop above is unchanged. A rank that dies (`RankFailure`: the shards are out of
+step, nothing can be undone) costs what a learner crash costs, without the crash: the
+entries of the update it died in get their strike, the ranks start again (rank 0's policy
+built anew), the last checkpoint is loaded on all of them, the batcher goes back to that
+checkpoint and the consumer reads its own pending entries again from the first, so what
+the checkpoint did not cover is retrained (counted as `redelivered`), and the restored
+weights are published. `RANK_RESTARTS` restarts in a row without an update between them
+end the run.
 
 The weight version is the number of updates applied; a trajectory's staleness is
 that minus the version the worker's engine served. Departures from the paper: the
@@ -73,7 +83,8 @@ from infra.schema import EnvKind, Trajectory, decode_as
 from infra.streams import LEARNER_GROUP, StreamConsumer, trajectories_stream
 from learner import checkpoint as ckpt
 from learner.batching import GroupBatcher
-from learner.fsdp import RankFailure, Ranks, RanksGuard, check_ranks
+from learner.elastic_ranks import ElasticRanks
+from learner.fsdp import RankFailure, RankLauncher, Ranks, RanksGuard
 from learner.guard import NonFiniteUpdate, WeightGuard
 from learner.inflight import STRIKES_TO_DEAD_LETTER, InflightLedger
 from learner.policy_model import PolicyModel
@@ -83,6 +94,9 @@ from learner.update import UpdateStats, apply_update, new_optimizer
 from learner.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
+
+RANK_RESTARTS = 3  # restarts of the FSDP ranks in a row, with no update between them, before the run stops
+ACKED_AT_ONCE = ("duplicate", "dead_letter")  # set-aside outcomes acked when seen: a rollback keeps their counts
 
 
 def init_update_thread(threads: int, nice: int) -> tuple[int, int]:
@@ -131,25 +145,25 @@ class Learner:
 
     def __init__(self, cfg: LearnerConfig, model_name: str, run_dir: str | Path, consumer: Any,
                  publisher: Any = None, *, group_size: int = 4, policy: PolicyModel | None = None,
-                 read_block_ms: int = 500):
+                 read_block_ms: int = 500, launcher: RankLauncher | None = None):
+        """`launcher`: how ranks 1..N-1 start with `learner.num_gpus` = N > 1 (torch elastic on this node
+        by default)."""
         self.cfg, self.run_dir, self.consumer, self.publisher = cfg, Path(run_dir), consumer, publisher
+        self.model_name, self.group_size, self.read_block_ms = model_name, group_size, read_block_ms
+        self.launcher = launcher if launcher is not None else ElasticRanks()
         if policy is None:
-            precision = Precision.checked(cfg.device, cfg.dtype, "learner.device", "learner.dtype")
-            check_ranks(cfg)
-            policy = PolicyModel.for_learner(cfg, model_name, precision)
+            if cfg.num_gpus > 1:
+                self.launcher.check(cfg)
+            policy = PolicyModel.for_learner(cfg, model_name, self._precision())
         elif cfg.num_gpus > 1:
             raise ValueError("learner.num_gpus > 1: every rank loads `model_name` itself; pass no policy")
-        self.policy = policy
-        if cfg.kl_coef > 0:
-            self.policy.snapshot_reference()
-        # learner.num_gpus > 1: start the other ranks; every rank shards its policy before its optimizer is made.
-        self.ranks = Ranks.start(cfg, model_name, policy) if cfg.num_gpus > 1 else None
-        self.optimizer = new_optimizer(self.policy, cfg)
+        self.ranks: Ranks | None = None
+        self._build(policy)
         self.staleness = StalenessFilter(cfg.max_staleness, cfg.staleness_mode, cfg.is_cap)
         self.batches = GroupBatcher(consumer, cfg, group_size, self.staleness, read_block_ms)
-        self.guard: WeightGuard | RanksGuard = WeightGuard(self.policy.trainable_parameters(), self.optimizer)
-        if self.ranks is not None:
-            self.guard = RanksGuard(self.ranks, self.guard)
+        self._at_checkpoint: tuple[dict[str, int], int] = ({}, 0)  # set aside and redelivered, as last saved
+        self.rank_restarts = 0  # FSDP rank groups started again after a rank died (learner.num_gpus > 1)
+        self._restarts_in_a_row = 0
         self.ledger = InflightLedger(self.run_dir)
         self._recovered = False
         self.version = 0
@@ -163,6 +177,22 @@ class Learner:
             max_workers=1, thread_name_prefix="learner-update", initializer=init_update_thread,
             initargs=(cfg.threads, cfg.nice))
         self._state_hooks: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+
+    def _precision(self) -> Precision:
+        return Precision.checked(self.cfg.device, self.cfg.dtype, "learner.device", "learner.dtype")
+
+    def _build(self, policy: PolicyModel) -> None:
+        """`policy` as the learner's, with its FSDP ranks (learner.num_gpus > 1: every rank shards its policy
+        before its optimizer is made), optimizer and guard."""
+        self.policy = policy
+        if self.cfg.kl_coef > 0:
+            self.policy.snapshot_reference()
+        if self.cfg.num_gpus > 1:
+            self.ranks = Ranks.start(self.cfg, self.model_name, policy, self.launcher)
+        self.optimizer = new_optimizer(self.policy, self.cfg)
+        self.guard: WeightGuard | RanksGuard = WeightGuard(self.policy.trainable_parameters(), self.optimizer)
+        if self.ranks is not None:
+            self.guard = RanksGuard(self.ranks, self.guard)
 
     @property
     def consumed_ids(self) -> list[str]:
@@ -226,6 +256,13 @@ class Learner:
         if len(kept) < len(units):  # some went to the dead-letter stream: wait for a full batch
             self.batches.requeue(kept)
             return None
+        try:
+            return await self._update(units)
+        except RankFailure as exc:  # FSDP ranks out of step: nothing can be undone on them (learner/fsdp.py)
+            await self._restart_ranks(exc)
+            return None
+
+    async def _update(self, units: list) -> UpdateStats | None:
         t0 = time.monotonic()
         await self.batches.charge(units)
         self.ledger.begin(self.updates + 1, [e for u in units for e in u.entry_ids])
@@ -234,7 +271,7 @@ class Learner:
         try:
             stats = await asyncio.get_running_loop().run_in_executor(
                 self._compute, update, self.policy, self.optimizer, self.cfg, units, self.version)
-        except RankFailure:  # FSDP ranks out of step: nothing can be undone on them (learner/fsdp.py)
+        except RankFailure:
             raise
         except NonFiniteUpdate as exc:
             metrics.LEARNER_NONFINITE_UPDATES.labels(exc.where).inc()
@@ -246,6 +283,7 @@ class Learner:
             await self._undo(units, f"UpdateFailed: {type(exc).__name__}: {exc}")
             return None
         self.ledger.end()
+        self._restarts_in_a_row = 0
         self.batches.trained(units)
         self.updates += 1
         self.version += 1
@@ -254,6 +292,8 @@ class Learner:
         if self.publisher is not None and self.updates % self.cfg.publish_every == 0:
             try:
                 await self.publisher.publish(self.exported, self.version)
+            except RankFailure:
+                raise
             except Exception:  # engines down or disk full: keep training; staleness will show it
                 log.exception("publishing weights v%d failed; workers keep the previous version", self.version)
         if self.updates % self.cfg.checkpoint_every == 0:
@@ -263,6 +303,38 @@ class Learner:
         metrics.LEARNER_UPDATES.inc()
         metrics.LEARNER_UPDATE_SECONDS.observe(stats.seconds)
         return stats
+
+    async def _restart_ranks(self, failure: RankFailure) -> None:
+        """A rank died (see the module docstring): start the ranks again from the last checkpoint."""
+        self.ledger.end(failed=True)  # the update it died in: a strike, as a killed learner's (recover)
+        self.failed_updates["RankFailure"] = self.failed_updates.get("RankFailure", 0) + 1
+        metrics.LEARNER_UPDATE_ERRORS.inc()
+        self._restarts_in_a_row += 1
+        if self._restarts_in_a_row > RANK_RESTARTS:
+            log.error("FSDP ranks failed %d times in a row; the learner stops", self._restarts_in_a_row)
+            raise failure
+        log.error("%s; starting the ranks again from the last checkpoint", failure)
+        self.ranks = None  # closed by the failure
+
+        def rebuild() -> Path | None:
+            self._build(PolicyModel.for_learner(self.cfg, self.model_name, self._precision()))
+            return ckpt.latest(self.run_dir)
+        path = await asyncio.get_running_loop().run_in_executor(self._compute, rebuild)
+        old, (aside, redelivered) = self.batches, self._at_checkpoint
+        self.batches = GroupBatcher(self.consumer, self.cfg, self.group_size, self.staleness, self.read_block_ms)
+        self.batches.env_kind = old.env_kind
+        self.batches.set_aside = {**aside, **{k: n for k, n in old.set_aside.items() if k in ACKED_AT_ONCE}}
+        self.batches.redelivered = redelivered
+        self.consumer.rewind()  # what the checkpoint does not cover is still pending here: read it again
+        if path is not None:
+            state = await asyncio.get_running_loop().run_in_executor(self._compute, self.ranks.load, path,
+                                                                     self.optimizer)
+            self._restore(state)
+        else:  # none saved yet: the start, the policy as built
+            self.version = self.updates = self._trained_before = 0
+        self.rank_restarts += 1
+        log.info("FSDP ranks started again at version %d (%s)", self.version, path or "no checkpoint yet")
+        await self.publish()
 
     async def _undo(self, units: list, reason: str) -> None:
         """The update failed: weights and optimizer as before, nothing published, the batch struck."""
@@ -290,6 +362,7 @@ class Learner:
         """Save, then ack every entry the saved state covers."""
         path = await asyncio.to_thread(self.save)
         self.ledger.forget(await self.batches.flush_acks())
+        self._at_checkpoint = (dict(self.batches.set_aside), self.batches.redelivered)
         return path
 
     async def run(self, total_updates: int | None = None,
@@ -350,15 +423,18 @@ class Learner:
             return False
         state = self.ranks.load(path, self.optimizer) if self.ranks is not None \
             else ckpt.load(path, self.policy, self.optimizer)
-        self.version, self.updates = state.weight_version, state.updates
-        self._trained_before = state.trained - len(self.batches.consumed_ids)
-        self.batches.restore(state.consumed_ids, state.last_entry_id, state.lineage)
+        self._restore(state)
         self.extra = state.extra
         for name, (_, set_) in self._state_hooks.items():
             if name in self.extra:
                 set_(self.extra[name])
         log.info("resumed from %s at version %d", path, self.version)
         return True
+
+    def _restore(self, state: ckpt.TrainState) -> None:
+        self.version, self.updates = state.weight_version, state.updates
+        self._trained_before = state.trained - len(self.batches.consumed_ids)
+        self.batches.restore(state.consumed_ids, state.last_entry_id, state.lineage)
 
 
 async def run_updates(learner: Any, total: int, on_update: Callable[[UpdateStats], Awaitable[None] | None] | None = None,
@@ -384,7 +460,7 @@ async def run_updates(learner: Any, total: int, on_update: Callable[[UpdateStats
 
 
 def stream_learner(cfg: Config, client: Any, prefix: str, run_dir: str | Path, policy_engines: Any,
-                   policy_model: str) -> Learner:
+                   policy_model: str, launcher: RankLauncher | None = None) -> Learner:
     """The run's learner: GRPO/PPO on the trajectory stream of `prefix` (consumer `learner-0` of the
     learner group, so a restarted learner reads back its own pending entries, counting a delivery as an
     entry enters an update), publishing to `policy_engines`."""
@@ -394,4 +470,5 @@ def stream_learner(cfg: Config, client: Any, prefix: str, run_dir: str | Path, p
     dtype = cfg.engines.dtype if cfg.learner.publish_dtype == "auto" else cfg.learner.publish_dtype
     publisher = WeightPublisher(run_dir, policy_engines, keep=cfg.learner.keep_weights, dtype=dtype,
                                 root=cfg.infra.weights_dir)
-    return Learner(cfg.learner, policy_model, run_dir, consumer, publisher, group_size=cfg.actors.group_size)
+    return Learner(cfg.learner, policy_model, run_dir, consumer, publisher, group_size=cfg.actors.group_size,
+                   launcher=launcher)

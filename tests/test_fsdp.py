@@ -16,6 +16,8 @@ import copy
 import dataclasses
 import logging
 import math
+import os
+import signal
 import socket
 
 import pytest
@@ -27,6 +29,7 @@ from test_update import CANDS, gradients, tiny, units  # noqa: F401  (tiny is a 
 from infra.config import ConfigError, LearnerConfig, load_config
 from infra.engine.models import load_tokenizer
 from learner import checkpoint as ckpt
+from learner.elastic_ranks import ElasticRanks
 from learner.fsdp import RankFailure, Ranks, RanksGuard, check_ranks, shard
 from learner.guard import NonFiniteUpdate, WeightGuard
 from learner.policy_model import PolicyModel
@@ -136,7 +139,7 @@ def test_a_two_rank_update_is_the_single_process_update(tiny, tiny_model_dir, tm
     after = ckpt.save(tmp_path, ref, ref_opt, ckpt.TrainState(1, 1))
 
     policy = PolicyModel.for_learner(cfg, str(tiny_model_dir), Precision())
-    ranks = Ranks.start(cfg, str(tiny_model_dir), policy)
+    ranks = Ranks.start(cfg, str(tiny_model_dir), policy, ElasticRanks())
     try:
         opt = new_optimizer(policy, cfg)
         guard = RanksGuard(ranks, WeightGuard(policy.trainable_parameters(), opt))
@@ -161,8 +164,8 @@ def test_a_two_rank_update_is_the_single_process_update(tiny, tiny_model_dir, tm
                 ranks.update(policy, opt, cfg, nan, 1)
             guard.restore()
             assert all(torch.equal(w, loaded_model[n]) for n, w in ranks.state(opt)[0].items())
-            ranks.procs[0].kill()  # a rank gone: the ranks are out of step, the learner must stop
-            with pytest.raises(RankFailure, match="rank 1 exited"):
+            os.kill(ranks.launcher.pids()[1], signal.SIGKILL)  # a rank gone: the ranks are out of step
+            with pytest.raises(RankFailure, match="rank 1 exited with code -9"):
                 ranks.update(policy, opt, cfg, batch, 1)
     finally:
         ranks.close()

@@ -160,8 +160,8 @@ def check_devices(cfg: Config) -> None:
     """Before anything starts: the learner, the policy warm start and Mexp SFT run in this process, so
     a device this machine lacks fails now with the setting's name (ConfigError), not minutes later in torch."""
     Precision.checked(cfg.learner.device, cfg.learner.dtype, "learner.device", "learner.dtype")
-    if cfg.actors.runtime != "ray":  # a learner actor checks its own node's GPUs for learner.num_gpus
-        check_ranks(cfg.learner)
+    # with Ray each learner rank is an actor given its own GPU: only the LoRA rule applies here
+    check_ranks(cfg.learner, one_node=cfg.actors.runtime != "ray")
     Precision.checked(cfg.simulator.sft_device, cfg.simulator.sft_dtype, "simulator.sft_device", "simulator.sft_dtype")
 
 
