@@ -20,6 +20,11 @@ nothing about which environment it plays:
   whose group was already pushed is only acked, so no group is pushed twice;
 - while a group runs, its entry's idle time is refreshed (a lease), so a slow but
   live worker is not robbed by XAUTOCLAIM;
+- the handler deadline (`infra.handler_timeout_s`, infra/streams.py), local and Ray workers
+  alike: the lease timer also expires tasks held past it; each is nacked with
+  `HandlerTimeout` and counted (redelivered, dead-lettered after `max_deliveries`), and
+  its group is cancelled, so a group that hangs where no other timeout reaches (an engine
+  call, an in-process environment) frees its slots and stops renewing its lease;
 - backpressure: before taking a task, a worker waits (polling with capped backoff, never
   busy) while more than `max_trajectory_backlog` trajectories wait undelivered to the
   learner group, so producers that outpace the learner stop at a bounded stream instead
@@ -62,7 +67,7 @@ from simulator.replay_buffer import Transition
 log = logging.getLogger(__name__)
 # The counters `status()` reports (a worker actor still starting reports them at zero).
 STATUS_COUNTERS = ("groups_done", "episodes_done", "trajectories_pushed", "groups_failed", "steps_taken",
-                   "tasks_dead_lettered", "backpressure_s")
+                   "tasks_dead_lettered", "tasks_timed_out", "backpressure_s")
 
 HANDBACK_CONSUMER = "handed-back"
 GROUP_DONE_TTL_S = 7 * 24 * 3600
@@ -106,7 +111,8 @@ class RolloutWorker:
         # reclaimed like any dead consumer's, never re-read as "own pending" mid-flight.
         self.consumer = StreamConsumer(client, self.task_stream, WORKERS_GROUP, f"{worker_id}-{new_id()[:6]}",
                                        lambda b: decode_as(b, Task), reclaim_idle_ms=reclaim_idle_ms, reclaim_every=3,
-                                       max_deliveries=max_deliveries, handler_timeout_s=handler_timeout_s)
+                                       max_deliveries=max_deliveries, handler_timeout_s=handler_timeout_s,
+                                       on_expire=self._expired)
         # Real rollouts draw from the run's exact budget of real transitions (infra/budget.py).
         self.budget = StepBudget(client, prefix, cfg.real_transitions) if self.env_kind == EnvKind.REAL else None
         self._episode_slots = asyncio.Semaphore(cfg.concurrent_episodes)
@@ -121,6 +127,7 @@ class RolloutWorker:
         self.episodes_done = 0
         self.steps_taken = 0
         self.tasks_dead_lettered = 0
+        self.tasks_timed_out = 0  # tasks nacked by the handler deadline
         self.backpressure_s = 0.0  # seconds this worker's task loops waited on the trajectory backlog
 
     # ----- the loop -----
@@ -281,10 +288,17 @@ class RolloutWorker:
         self.trajectories_pushed += len(payloads)
 
     async def _renew_leases(self) -> None:
-        """Keep in-flight task entries fresh so XAUTOCLAIM leaves a live worker's tasks alone."""
+        """Keep in-flight task entries fresh so XAUTOCLAIM leaves a live worker's tasks alone; first, end
+        the groups whose task is past the handler deadline (their reads may all be waiting on groups)."""
         period = max(0.05, self.reclaim_idle_ms / 3000)
+        if self.consumer.handler_timeout_s > 0:
+            period = min(period, max(0.05, self.consumer.handler_timeout_s / 4))
         while True:
             await asyncio.sleep(period)
+            try:
+                await self.consumer.expire_held()  # calls _expired with what it nacked
+            except Exception as exc:  # Redis away: the next tick tries again
+                log.warning("handler-deadline check failed: %s", exc)
             ids = list(self._inflight)
             if ids:
                 try:
@@ -296,6 +310,18 @@ class RolloutWorker:
                     await self.budget.renew(list(self._holds), self.reclaim_idle_ms)
                 except Exception as exc:  # a lapsed hold ends its episodes early (truncated), loses nothing
                     log.warning("budget hold renewal failed: %s", exc)
+
+    def _expired(self, late: list) -> None:
+        """The handler deadline nacked (and counted) these tasks: cancel their groups."""
+        for d in late:
+            log.error("%s: task %s held past infra.handler_timeout_s=%g s without ack or nack; nacked (delivery "
+                      "%d of %d), its group cancelled", self.worker_id, d.message.task_id,
+                      self.consumer.handler_timeout_s, d.deliveries, self.consumer.max_deliveries)
+            self.groups_failed += 1
+            self.tasks_timed_out += 1
+            job = self._inflight.pop(d.entry_id, None)
+            if job is not None:
+                job.cancel()
 
     # ----- one group, one episode -----
     async def run_group(self, task: Task, group_id: str | None = None, hold: Hold | None = None) -> list[Trajectory]:

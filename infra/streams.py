@@ -270,12 +270,14 @@ class StreamConsumer(Generic[T]):
     def __init__(self, client: aioredis.Redis, stream: str, group: str, consumer: str,
                  decode: Callable[[bytes], T], reclaim_idle_ms: int = 30_000, reclaim_every: int = 10,
                  max_deliveries: int = DEFAULT_MAX_DELIVERIES, trim_every_s: float | None = 1.0,
-                 handler_timeout_s: float = 0.0, count_on_use: bool = False):
+                 handler_timeout_s: float = 0.0, count_on_use: bool = False,
+                 on_expire: Callable[[list[Delivery[T]]], None] | None = None):
         """`trim_every_s`: least seconds between two `trim_acked` calls from `ack` (0: after every
         ack; None: never, the stream keeps acked entries until MAXLEN). `handler_timeout_s`: the
         handler deadline of the module docstring (0: none; the learner holds entries until its
         checkpoint on purpose). `count_on_use`: a delivery counts at `handling()`, not at `read()`
-        (a batch reader that reads ahead; see the module docstring)."""
+        (a batch reader that reads ahead; see the module docstring). `on_expire(deliveries)`: called
+        with the entries the handler deadline nacked, wherever that happens (a worker cancels their work)."""
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
         self.trim_every_s = trim_every_s
@@ -286,6 +288,7 @@ class StreamConsumer(Generic[T]):
         self.reclaim_every = reclaim_every
         self.max_deliveries = max_deliveries
         self.count_on_use = count_on_use
+        self.on_expire = on_expire
         self.dead_letters = dead_letter_stream(stream)
         self._reads = 0
         self._own_pending_done = False
@@ -300,14 +303,6 @@ class StreamConsumer(Generic[T]):
                         metrics.STREAM_MESSAGES_REDELIVERED, metrics.STREAM_MESSAGES_NACKED,
                         metrics.STREAM_MESSAGES_TRIMMED, metrics.STREAM_HANDLER_TIMEOUTS):
             counter.labels(stream)  # a series at 0 from the start: rate() and increase() see the first event
-
-    def rewind(self) -> None:
-        """Read this consumer's own pending entries again from the first, as a restarted consumer of the
-        same name does (a learner that went back to its checkpoint retrains what that did not cover)."""
-        self._own_pending_done, self._own_cursor = False, "0-0"
-        self._held.clear()
-        self._held_since.clear()
-        self._in_use.clear()
 
     async def ensure_group(self) -> None:
         """Create the group (and the stream) if absent; idempotent."""
@@ -509,6 +504,8 @@ class StreamConsumer(Generic[T]):
             metrics.STREAM_HANDLER_TIMEOUTS.labels(self.stream).inc(len(late))
             await self.nack(late, f"HandlerTimeout: held {self.handler_timeout_s:g} s without ack or nack "
                                   "(infra.handler_timeout_s)")
+            if self.on_expire is not None:
+                self.on_expire(late)
         return late
 
     def _exhausted(self, entry_id: bytes, handled: int, error: str | None = None) -> str:

@@ -138,7 +138,8 @@ class RolloutFleet:
         return RayWorkerHandle.spawn(worker_id, self.redis_url, self.prefix, cfg.actors, recipe.policy, recipe.env,
                                      options=self.worker_options, buffer=write_back_sink(cfg, recipe.buffer()),
                                      reclaim_idle_ms=cfg.infra.reclaim_idle_ms, maxlen=cfg.infra.stream_maxlen,
-                                     redis_tls_ca=cfg.infra.redis_tls_ca, max_deliveries=cfg.infra.max_deliveries)
+                                     redis_tls_ca=cfg.infra.redis_tls_ca, max_deliveries=cfg.infra.max_deliveries,
+                                     handler_timeout_s=cfg.infra.handler_timeout_s)
 
     def buffer_size(self) -> int:
         if self.buffer_actor is not None:

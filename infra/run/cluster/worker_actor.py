@@ -28,21 +28,21 @@ class RolloutWorkerActor:
     def __init__(self, worker_id: str, redis_url: str, prefix: str, actors_cfg: dict,
                  make_policy: Callable[[], Any], make_env: Callable[[], Any], buffer: Any = None,
                  reclaim_idle_ms: int = 30_000, maxlen: int = 100_000, redis_tls_ca: str = "",
-                 max_deliveries: int = DEFAULT_MAX_DELIVERIES):
+                 max_deliveries: int = DEFAULT_MAX_DELIVERIES, handler_timeout_s: float = 0.0):
         self.args = (worker_id, redis_url, prefix, ActorsConfig(**actors_cfg), make_policy, make_env, buffer,
-                     reclaim_idle_ms, maxlen, max_deliveries)
+                     reclaim_idle_ms, maxlen, max_deliveries, handler_timeout_s)
         self.redis_tls_ca = redis_tls_ca
         self.worker: RolloutWorker | None = None
         self._stop_requested: bool | None = None
 
     async def run(self, max_groups: int | None = None) -> dict:
-        worker_id, url, prefix, cfg, make_policy, make_env, buffer, idle_ms, maxlen, max_deliveries = self.args
+        worker_id, url, prefix, cfg, make_policy, make_env, buffer, idle_ms, maxlen, max_deliveries, deadline = self.args
         policy = make_policy()
         if inspect.isawaitable(policy):
             policy = await policy
         self.worker = RolloutWorker(worker_id, connect(url, self.redis_tls_ca), prefix, policy, make_env, cfg,
                                     buffer=buffer, reclaim_idle_ms=idle_ms, maxlen=maxlen,
-                                    max_deliveries=max_deliveries)
+                                    max_deliveries=max_deliveries, handler_timeout_s=deadline)
         if self._stop_requested is not None:
             return self.worker.status()
         await self.worker.run(max_groups)
@@ -77,11 +77,13 @@ class RayWorkerHandle:
     def spawn(cls, worker_id: str, redis_url: str, prefix: str, actors_cfg: ActorsConfig,
               make_policy: Callable[[], Any], make_env: Callable[[], Any], options: dict | None = None,
               buffer: Any = None, reclaim_idle_ms: int = 30_000, maxlen: int = 100_000,
-              redis_tls_ca: str = "", max_deliveries: int = DEFAULT_MAX_DELIVERIES) -> "RayWorkerHandle":
-        """Start the actor and its run loop; `buffer` is the worker's write-back sink (picklable) or None."""
+              redis_tls_ca: str = "", max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+              handler_timeout_s: float = 0.0) -> "RayWorkerHandle":
+        """Start the actor and its run loop; `buffer` is the worker's write-back sink (picklable) or None;
+        `handler_timeout_s` is infra.handler_timeout_s, the task stream's handler deadline."""
         actor = RolloutWorkerActor.options(name=f"rollout-{worker_id}", **(options or {})).remote(
             worker_id, redis_url, prefix, dataclasses.asdict(actors_cfg), make_policy, make_env, buffer,
-            reclaim_idle_ms, maxlen, redis_tls_ca, max_deliveries)
+            reclaim_idle_ms, maxlen, redis_tls_ca, max_deliveries, handler_timeout_s)
         return cls(worker_id, actor, actor.run.remote())
 
     async def stop(self, drain: bool = True) -> dict:
