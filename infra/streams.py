@@ -304,6 +304,14 @@ class StreamConsumer(Generic[T]):
                         metrics.STREAM_MESSAGES_TRIMMED, metrics.STREAM_HANDLER_TIMEOUTS):
             counter.labels(stream)  # a series at 0 from the start: rate() and increase() see the first event
 
+    def rewind(self) -> None:
+        """Read this consumer's own pending entries again from the first, as a restarted consumer of the
+        same name does (a learner that went back to its checkpoint retrains what that did not cover)."""
+        self._own_pending_done, self._own_cursor = False, "0-0"
+        self._held.clear()
+        self._held_since.clear()
+        self._in_use.clear()
+
     async def ensure_group(self) -> None:
         """Create the group (and the stream) if absent; idempotent."""
         async def op() -> None:
