@@ -84,6 +84,8 @@ DASHBOARDS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     ]),
     "workers": ("DreamGym: workers", [
         ("Workers in the pool", "max(rollout_pool_workers)", "none"),
+        ("Pool target (num_workers, dreamgym scale, autoscale)", "max(rollout_pool_target_workers)", "none"),
+        ("Pool resizes by cause", "sum by (cause) (rollout_pool_resizes_total)", "none"),
         ("Workers running, by process", "sum by (job, instance_name) (rollout_workers)", "none"),
         ("Scale events", "sum by (direction) (rollout_scale_events_total)", "none"),
         ("Backpressure: share of time waiting", "sum(rate(rollout_backpressure_wait_seconds_total[1m]))", "none"),

@@ -15,9 +15,6 @@ never export each other's queue, and the driver's `/metrics` carries neither.
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 _LATENCY = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -46,6 +43,8 @@ ROLLOUT_WORKERS = Gauge("rollout_workers", "Rollout workers running their loop i
 ROLLOUT_POOL_WORKERS = Gauge("rollout_pool_workers", "Rollout workers the elastic pool runs (set by the driver, local or Ray).")
 ROLLOUT_INFLIGHT_EPISODES = Gauge("rollout_inflight_episodes", "Episodes in progress in this process.")
 ROLLOUT_SCALE_EVENTS = Counter("rollout_scale_events_total", "Rollout workers started or stopped by the elastic pool.", ["direction"])
+ROLLOUT_POOL_TARGET = Gauge("rollout_pool_target_workers", "Rollout workers the elastic pool is asked to run: actors.num_workers, then `dreamgym scale` or actors.autoscale (set by the driver).")
+ROLLOUT_POOL_RESIZES = Counter("rollout_pool_resizes_total", "Changes of the pool's target, by cause: 'command' (`dreamgym scale`) or 'autoscale' (actors.autoscale).", ["cause"])
 ROLLOUT_BACKPRESSURE_SECONDS = Counter("rollout_backpressure_wait_seconds_total", "Seconds rollout workers waited before taking a task because the trajectories not yet delivered to the learner exceeded actors.max_trajectory_backlog.")
 ROLLOUT_BACKPRESSURE_WAITING = Gauge("rollout_backpressure_waiting", "Rollout task loops in this process waiting on the trajectory backlog now.")
 
@@ -64,9 +63,6 @@ ENGINE_RETRY_AFTER_WAITS = Counter("engine_retry_after_waits_total", "Client wai
 class EngineServerMetrics:
     """One embedded engine's server-side metrics, in a registry of its own (served on the engine's /metrics)."""
 
-    _live: "weakref.WeakSet[EngineServerMetrics]" = weakref.WeakSet()
-    _lock = threading.Lock()
-
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -83,15 +79,7 @@ class EngineServerMetrics:
         self.accepted_tokens = Counter("engine_speculative_accepted_tokens_total", "Draft tokens the model's greedy choice agreed with (each saves a decode step).", registry=r)
         for reason in ("unauthorized", "invalid", "queue_full", "body_too_large", "weights_path"):
             self.rejected.labels(reason=reason)
-        with self._lock:
-            self._live.add(self)
 
-    @classmethod
-    def total_queue_depth(cls) -> float:
-        """Requests waiting or decoding in this process's embedded engines (0 when it serves none)."""
-        with cls._lock:
-            live = list(cls._live)
-        return sum(m.registry.get_sample_value("engine_queue_depth") or 0.0 for m in live)
 
 # --- simulator (simulator/) ---
 SIMULATOR_FIDELITY_REWARD_ACCURACY = Gauge("simulator_fidelity_reward_accuracy", "Live probe: share of held-out real steps whose reward Mexp predicts (|r̂ - r| < 0.5).")
@@ -142,6 +130,8 @@ CURRICULUM_TASKS_PUSHED = Counter("curriculum_tasks_pushed_total", "Tasks pushed
 # (and a dashboard panel data) before the first event.
 for _direction in ("up", "down"):
     ROLLOUT_SCALE_EVENTS.labels(direction=_direction)
+for _cause in ("command", "autoscale"):
+    ROLLOUT_POOL_RESIZES.labels(cause=_cause)
 for _where in ("loss", "gradient", "weights"):
     LEARNER_NONFINITE_UPDATES.labels(where=_where)
 for _change in ("dropped", "added"):
@@ -161,11 +151,6 @@ def mexp_steps() -> dict[str, float]:
     answered without the engine (simulator.reply_memo)."""
     return {"simulated": counted(SIMULATOR_STEPS), "replayed": counted(SIMULATOR_REPLAYED_STEPS),
             "memo_hits": counted(SIMULATOR_MEMO_HITS)}
-
-
-def engine_queue_depth() -> float:
-    """Requests waiting or decoding in this process's embedded engines (0 when it serves none)."""
-    return EngineServerMetrics.total_queue_depth()
 
 
 class MetricsServer:

@@ -1,9 +1,9 @@
 """A multi-node rehearsal on one machine (issue 15, items 6 and 7).
 
-A real Ray cluster of five nodes (`ray.cluster_utils.Cluster`), each advertising one role
-label the way `ray start --resources` does on a real cluster: a plain head, `rollout_cpu`,
-`mexp_gpu`, `policy_gpu` and `learner_gpu` (CPU nodes here; the labels are what placement
-reads). `dreamgym train` joins it through `infra.ray_address` with `actors.runtime=ray`, on
+A real Ray cluster of five nodes (`ray.cluster_utils.Cluster`), each advertising its role
+labels the way `ray start --resources` does on a real cluster: the head `buffer_cpu` and
+`scheduler_cpu`, the others `rollout_cpu`, `mexp_gpu`, `policy_gpu` and `learner_gpu` (CPU
+nodes here; the labels are what placement reads). `dreamgym train` joins it through `infra.ray_address` with `actors.runtime=ray`, on
 real TextWorld offline data, the tiny random Llama as policy and Mexp, and a real Redis, in
 sim-to-real: a DreamGym phase (synthetic environments: the buffer actor and the Mexp engine
 serve the workers; the random Mexp's output is rejected, so the phase would only end by running
@@ -13,8 +13,8 @@ also check that the scheduler actor feeds a second phase after it was stopped on
 
 Checks where each actor ran, from summary.json's `placement` (each actor's own
 `ray.get_runtime_context()`) against the node ids the cluster gave: rollout workers on the
-rollout node, the Mexp and policy engines on theirs, the buffer actor on the driver's node
-(it reopens the store the driver seeded there), the scheduler beside the driver, and the
+rollout node, the Mexp and policy engines on theirs, the buffer actor and the scheduler on the
+head, by their labels (the buffer reopens the store the driver seeded there), and the
 learner on `learner_gpu` (issue 15 item 3), which reads the trajectory stream and writes the
 run's checkpoint (the curriculum's state included) from there. A second test
 checks that joining a cluster ships the code (`infra.ray_runtime_env: auto`): an actor
@@ -52,7 +52,8 @@ def cluster(tmp_path_factory):
     here = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("nodes"))  # nodes started outside the checkout, as on a real cluster
     try:
-        c = Cluster(initialize_head=True, head_node_args=dict(NODE))
+        # the driver's node holds the replay buffer's store and the curriculum: their labels are on it
+        c = Cluster(initialize_head=True, head_node_args={**NODE, "resources": {"buffer_cpu": 1, "scheduler_cpu": 1}})
         nodes = {role: c.add_node(**NODE, resources={label: 1}) for role, label in LABELS.items()}
         c.wait_for_nodes()
     finally:
@@ -125,7 +126,8 @@ async def test_train_places_every_role_on_its_labelled_node(cluster, tiny_run, t
     assert summary["updates"] == (1 if summary["trajectories_trained"] else 0)
     saved = torch.load(ckpt.latest(tmp_path / "runs" / "rehearsal") / ckpt.STATE_FILE, weights_only=False)
     assert saved["train_state"]["extra"]["curriculum"]["pool"]
-    assert placed["nodes"][node["rollout"]] == ["rollout_cpu"] and placed["nodes"][node["head"]] == []
+    assert placed["nodes"][node["rollout"]] == ["rollout_cpu"]
+    assert placed["nodes"][node["head"]] == ["buffer_cpu", "scheduler_cpu"]
 
 
 @pytest.mark.parametrize("mode", ["auto", "off"])

@@ -114,11 +114,20 @@ async def test_scale_up_then_down_mid_run_counts_add_up(redis_url, ray_local):
 
 
 def test_autoscale_rule():
-    assert autoscale_target(2, backlog=10, queue_depth=3, slots_per_worker=2, engine_capacity=16) == 3
-    assert autoscale_target(8, backlog=100, queue_depth=3, slots_per_worker=2, engine_capacity=16, hi=8) == 8
-    assert autoscale_target(3, backlog=0, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 2
-    assert autoscale_target(1, backlog=0, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 1
-    assert autoscale_target(2, backlog=2, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 2
+    def n(*a, **kw):
+        return autoscale_target(*a, **kw)[0]
+
+    assert n(2, backlog=10, queue_depth=3, slots_per_worker=2, engine_capacity=16) == 3  # work waits, engines have room
+    assert n(8, backlog=100, queue_depth=3, slots_per_worker=2, engine_capacity=16, hi=8) == 8  # capped
+    assert n(2, backlog=10, queue_depth=16, slots_per_worker=2, engine_capacity=16) == 2  # engines full: hold
+    assert n(3, backlog=0, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 2
+    assert n(1, backlog=0, queue_depth=20, slots_per_worker=2, engine_capacity=16) == 1  # never below lo
+    assert n(3, backlog=0, queue_depth=0, slots_per_worker=2, engine_capacity=16) == 2  # idle workers: one fewer
+    assert n(3, backlog=4, queue_depth=0, slots_per_worker=2, engine_capacity=16) == 2  # two workers take all 4
+    assert n(3, backlog=5, queue_depth=0, slots_per_worker=2, engine_capacity=16) == 3  # they would not: hold
+    up, why = autoscale_target(1, backlog=7, queue_depth=2, slots_per_worker=1, engine_capacity=8)
+    assert up == 2 and why.startswith("autoscale up: 7 task(s) waiting for 1 worker(s)") and "queue 2/8" in why
+    assert autoscale_target(2, 0, 0, 1, 8)[1].startswith("autoscale down:")
 
 
 def test_scale_command_sets_the_target_the_pool_watches(redis_url):
@@ -136,19 +145,52 @@ def test_scale_command_sets_the_target_the_pool_watches(redis_url):
     assert scale.run(p.parse_args(["--workers", "-1", "--redis-url", redis_url])) == 2
 
 
-async def test_autoscaler_reads_the_task_backlog(redis_url):
-    from infra.config import Config
-    from infra.run.workers import autoscaler
+async def test_autoscaler_reads_the_task_backlog_and_the_engines_queue(redis_url):
+    from aiohttp import web
 
+    from infra.config import Config
+    from infra.run.workers import DOWN_PATIENCE, Autoscaler
+
+    depth = {"v": 0}
+
+    async def metrics_page(_request):  # an engine's /metrics, SGLang's names
+        return web.Response(text=f"sglang:num_queue_reqs {depth['v']}\nsglang:num_running_reqs 1\n")
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics_page)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     client = connect(redis_url)
     cfg = Config()
     cfg.actors.group_size, cfg.actors.concurrent_episodes, cfg.actors.autoscale_max_workers = 2, 2, 3
-    rule = autoscaler(cfg, client, PREFIX)
-    assert await rule(2) == 2  # no backlog, idle engines: keep
-    await StreamProducer(client, tasks_stream(PREFIX)).add(
-        [encode(Task(task_id=f"a{i}", instruction="climb")) for i in range(5)])
-    assert await rule(2) == 3 and await rule(3) == 3  # backlog 5 > 2 workers x 1 slot; capped at 3
-    await client.aclose()
+    cfg.engines.max_batch_size = 4
+    rule = Autoscaler(cfg, client, PREFIX, [url, "http://127.0.0.1:9"])  # the second engine never answers
+    try:
+        assert (await rule(1))[0] == 1  # no backlog, idle engines: keep (lo is 1)
+        await StreamProducer(client, tasks_stream(PREFIX)).add(
+            [encode(Task(task_id=f"a{i}", instruction="climb")) for i in range(5)])
+        assert (await rule(2))[0] == 3 and (await rule(3))[0] == 3  # backlog 5 > 2 workers x 1 slot; capped at 3
+        depth["v"] = 3  # 3 waiting + 1 running = the engine's 4 slots: full
+        target, why = await rule(2)
+        assert target == 2 and "engine queue 4/4" in why  # work waits, but more workers would only queue
+        depth["v"] = 0
+        await client.delete(tasks_stream(PREFIX))
+        assert [(await rule(3))[0] for _ in range(DOWN_PATIENCE)] == [3] * (DOWN_PATIENCE - 1) + [2]  # patient shrink
+    finally:
+        await rule.aclose()
+        await client.aclose()
+        await runner.cleanup()
+
+
+def test_queue_depth_from_either_engine_s_metrics():
+    from infra.engine.load import parse_queue_depth
+
+    assert parse_queue_depth("# TYPE engine_queue_depth gauge\nengine_queue_depth 5.0\n") == 5.0
+    assert parse_queue_depth('sglang:num_queue_reqs{model_name="m"} 2\nsglang:num_running_reqs{model_name="m"} 7\n') == 9
+    assert parse_queue_depth("engine_requests_total 3\n") is None
 
 
 async def test_status_of_a_starting_worker_has_every_counter(redis_url, ray_local):

@@ -47,7 +47,6 @@ def test_each_engine_has_its_own_registry():
     assert a.registry.get_sample_value("engine_queue_depth") == 3
     assert b.registry.get_sample_value("engine_queue_depth") == 4
     assert REGISTRY.get_sample_value("engine_queue_depth") is None
-    assert metrics.engine_queue_depth() >= 7  # the autoscaler's view sums this process's engines
     a.queue_depth.set(0)
     b.queue_depth.set(0)
 

@@ -33,7 +33,9 @@ the engines, the buffer and the workers are owned by one context manager
 `dreamgym scale --workers N` resizes the worker pool live; rollout workers run on
 this process's event loop, or as Ray actors with `actors.runtime=ray`, which also makes
 the learner, the embedded engines, the curriculum scheduler and the buffer Ray actors
-placed by role; summary.json then says where each ran (`placement`).
+placed by role; summary.json then says where each ran (`placement`). Each phase's
+`worker_pool` in summary.json keeps every resize of its pool (start, `dreamgym scale`,
+`actors.autoscale`, end) with the time, the sizes, the reason, and how stopped workers ended.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
     dreamgym = any(c.actors.env_kind == "synthetic" for c, _, _ in plan)
     live_fidelity = bool(plan) and cfg.simulator.fidelity_every > 0
     async with Services(cfg, name, console, resume=resume) as svc:
+        if cfg.actors.runtime == "ray":  # joined now: a labelled cluster lacking a role's label fails before any work
+            svc.ray_resources()
         splits, offline = artifacts.prepare_data(cfg, console)
         mexp_model = None
         if dreamgym:  # the replay buffer and the experience model
@@ -239,7 +243,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
             watch = asyncio.create_task(real.wait_spent(stop)) if real is not None and real.limit else None
             await learner.run(until, on_update=on_update, stop=stop, before_step=before_step)
             if watch is not None and watch.done() and watch.result():  # spent: train on what it bought
-                await pool.retire()
+                await pool.retire("real-transition budget spent")
                 while learner.updates < until and (s := await learner.step(final=True)) is not None:
                     on_update(s)
             if watch is not None:
@@ -261,7 +265,9 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
             # how Mexp answered this process's synthetic steps (a Ray fleet's actors count their own)
             **({"mexp_steps": {k: int(v - mexp0[k]) for k, v in metrics.mexp_steps().items()}}
                if cfg.actors.env_kind == "synthetic" and cfg.actors.runtime != "ray" else {}),
-            "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1)}
+            "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1),
+            # the rollout-worker pool: every resize (start, `dreamgym scale`, actors.autoscale, end) and why
+            "worker_pool": pool.report()}
 
 
 FIDELITY_FILE = "mexp_fidelity.json"

@@ -13,9 +13,10 @@ pool: on this event loop, or Ray actors with `actors.runtime=ray`). With `actors
 the run joins (or starts) Ray once (`ray_resources`) and every role is an actor placed by
 its label: the learner on the `learner_gpu` node (`learner_actor`), the embedded or SGLang
 engines on `mexp_gpu`/`policy_gpu` nodes, the
-curriculum scheduler beside the driver (`curriculum_actor`), the buffer actor on the
-driver's node (it reopens the store the driver seeded), the workers on `rollout_cpu`;
-`placements()` says where each ran. Each registers its
+curriculum scheduler on `scheduler_cpu` (else beside the driver, `curriculum_actor`), the
+buffer actor on `buffer_cpu` (else on the driver's node: it reopens the store the driver
+seeded), the workers on `rollout_cpu`; on a labelled cluster a missing label fails the run
+before its first actor (`ray_resources`); `placements()` says where each ran. Each registers its
 own cleanup when it opens, and leaving the block undoes them in reverse order whatever
 happened inside: workers, the Ray fleet (which hands the store back), the replay
 buffer (released, so a resumed run in this process reopens it), the engine clients
@@ -48,11 +49,12 @@ from infra.redis_server import EmbeddedRedis, write_job_record
 from infra.run.artifacts import embedding_cache, say
 from infra.run.cluster.engine_actor import start_role_engine, start_sglang_engine, stop_engine_actor
 from infra.run.cluster.learner_actor import LearnerHandle, spawn_learner
-from infra.run.cluster.rollout_fleet import RolloutFleet
-from infra.run.cluster.runtime import Placements, driver_node_id, init_ray, kill_actor, on_node, placement_options, shutdown_ray
+from infra.run.cluster.rollout_fleet import RolloutFleet, shares_store
+from infra.run.cluster.runtime import (Placements, check_role_labels, driver_node_id, init_ray, kill_actor, on_node,
+                                       placement_options, shutdown_ray)
 from infra.run.cluster.scheduler_actor import CurriculumHandle, VariantSource, spawn_scheduler
 from infra.run.monitoring import Monitoring
-from infra.run.workers import WorkerPool, autoscaler, local_spawner, make_env_factory
+from infra.run.workers import Autoscaler, WorkerPool, local_spawner, make_env_factory
 from infra.streams import connect, ping, run_prefix
 from learner import checkpoint as ckpt
 from learner.learner import Learner, stream_learner
@@ -62,6 +64,19 @@ from simulator.replay_buffer import make_buffer, seed_buffer
 from simulator.reply_memo import ReplyMemo
 
 log = logging.getLogger(__name__)
+
+
+def ray_roles(cfg: Config) -> list[str]:
+    """The roles `dreamgym train` starts as Ray actors under `cfg` (`actors.runtime=ray`): the engines it
+    launches itself (none for configured endpoints), and with RL the learner, the scheduler, the rollout
+    workers and, for a synthetic run on a single-process store, the buffer actor."""
+    e, synthetic = cfg.engines, cfg.actors.env_kind == "synthetic"
+    roles = [] if e.policy_endpoints else ["policy"]
+    if (synthetic or cfg.simulator.fidelity_every > 0) and not e.mexp_endpoints:
+        roles.append("mexp")
+    if cfg.learner.total_updates > 0:
+        roles += ["learner", "scheduler", "rollout"] + (["buffer"] if synthetic and shares_store(cfg) else [])
+    return roles
 
 
 class Services:
@@ -135,12 +150,16 @@ class Services:
 
     def ray_resources(self) -> dict[str, float]:
         """Ray for this run (`actors.runtime=ray`): joined (`infra.ray_address`, shipping the code as
-        `infra.ray_runtime_env` says) or started on first use; shut down on exit if started here."""
+        `infra.ray_runtime_env` says) or started on first use; shut down on exit if started here. On a
+        labelled cluster a role of this run without its label fails here (cluster/runtime.check_role_labels)."""
         if self.ray is None:
             started = not ray.is_initialized()
-            self.ray = init_ray(self.cfg.infra.ray_address, runtime_env=self.cfg.infra.ray_runtime_env)
+            resources = init_ray(self.cfg.infra.ray_address, runtime_env=self.cfg.infra.ray_runtime_env)
             if started:
                 self._stack.callback(shutdown_ray)
+            check_role_labels(ray_roles(self.cfg), resources,
+                              {"rollout": self.cfg.actors.worker_resources} if self.cfg.actors.worker_resources else None)
+            self.ray = resources
         return self.ray
 
     def placements(self) -> dict:
@@ -249,11 +268,13 @@ class Services:
         return learner
 
     async def learner_actor(self, policy_model: str) -> LearnerHandle:
-        """The learner as an actor on the `learner_gpu` node (`learner.num_gpus` GPUs with `learner.device` on
-        CUDA; the label is its reservation, so it asks for no CPU share), on the run's Redis and policy engines."""
+        """The learner as an actor on a `learner_gpu` node (one GPU with `learner.device` on CUDA: it is rank 0,
+        and starts its other `learner.num_gpus` - 1 ranks as actors by the same label,
+        infra/run/cluster/learner_ranks.py; the label is its reservation, so it asks for no CPU share), on the
+        run's Redis and policy engines."""
         opts = placement_options("learner", self.ray_resources(), num_cpus=0)
         if self.cfg.learner.device.startswith("cuda"):
-            opts["num_gpus"] = self.cfg.learner.num_gpus
+            opts["num_gpus"] = 1
         actor = spawn_learner(self.cfg, policy_model, self.run_dir, self.redis_url, self.prefix, self.policy.urls, opts)
         self._stack.callback(kill_actor, actor)
         self.placement.record("learner", actor)
@@ -264,7 +285,7 @@ class Services:
         return handle
 
     def curriculum_actor(self, seeds: list, variants: bool) -> CurriculumHandle:
-        """The curriculum scheduler as an actor beside the driver (preferred, not required), on the run's
+        """The curriculum scheduler as an actor on the `scheduler_cpu` node, else beside the driver (preferred), on the run's
         Redis (password and `infra.redis_tls_ca` included); Mtask variants from the Mexp engines if `variants`."""
         cfg = self.cfg
         opts = on_node(placement_options("scheduler", self.ray_resources(), num_cpus=0.25), driver_node_id(), soft=True)
@@ -302,7 +323,8 @@ class Services:
                                                                  memo))
             spawn = local_spawner(cfg, self.client, self.prefix, self.policy, self.tokenizer, envs, self.buffer)
         pool = WorkerPool(spawn, on_stop=functools.partial(self.monitoring.remove, "rollout_worker"))
-        autoscale = autoscaler(cfg, self.client, self.prefix) if cfg.actors.autoscale else None
+        engines = (self.policy.urls if self.policy else []) + (self.mexp.urls if self.mexp else [])
+        autoscale = Autoscaler(cfg, self.client, self.prefix, engines) if cfg.actors.autoscale else None
         async with pool.running(self.client, self.prefix, cfg.actors.num_workers, autoscale):
             yield pool
 

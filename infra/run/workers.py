@@ -9,15 +9,23 @@ builds a worker's policy or environments.
 
 Owns how many rollout workers run. `WorkerPool.running` starts the configured number
 and watches a Redis control key (`<prefix>:control:workers`); `dreamgym scale
---workers N` (infra/run/scale.py) sets it from any shell that reaches the job's Redis. Growing spawns workers; shrinking stops the newest ones
-with drain (they finish their in-flight groups) or, past `drain_timeout_s`, hands
-their tasks back. Nothing is lost either way: a task is acked only after its group
-was pushed (actors/rollout_worker.py).
+--workers N` (infra/run/scale.py) sets it from any shell that reaches the job's Redis.
+Growing spawns workers; shrinking stops the newest ones with drain (they finish their
+in-flight groups) or, past `drain_timeout_s`, hands their tasks back. Nothing is lost
+either way: a task is acked only after its group was pushed (actors/rollout_worker.py).
+Every resize is kept in `WorkerPool.history` (when, from how many to how many, why, and
+how each stopped worker ended), which the driver writes into summary.json, and exported
+as `rollout_pool_workers` / `rollout_pool_target_workers` (the workers dashboard).
 
-The optional autoscale rule (`autoscale_target`, bound to a job by `autoscaler`) is a
-pure function of the task stream's backlog and the engine queue depth: more waiting
-tasks than the workers can take at once -> one more worker; no backlog and saturated
-engines -> one fewer (more workers would only queue at the engines).
+The optional autoscale rule (`autoscale_target`, bound to a job by `Autoscaler`) is a
+pure function of the task stream's backlog and the engines' queue depth (read from their
+own /metrics, infra/engine/load.py, so it sees Ray and SGLang engines too): more waiting
+tasks than the workers can take at once, and engines with room -> one more worker; one
+worker fewer could still take every waiting task (the engines' fullness no longer matters:
+more workers would only queue) -> one fewer, once that has held for `DOWN_PATIENCE` polls
+in a row, so a backlog the curriculum is about to top up does not stop a worker it needs.
+The curriculum keeps about `curriculum.max_backlog` tasks waiting, so a run settles where
+its workers take that many at once, or where the engines fill.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ import contextlib
 import functools
 import logging
 import math
+import time
 import zlib
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
+import aiohttp
 import redis.asyncio as aioredis
 
 from actors.envs.env_process import Isolation
@@ -38,6 +48,7 @@ from actors.policy import Policy
 from actors.rollout_worker import EnvFactory, RolloutWorker
 from infra import metrics
 from infra.config import Config, rl_seed
+from infra.engine.load import max_queue_depth
 from infra.streams import key, stream_backlog, tasks_stream, with_retry
 from simulator.synthetic_env import SyntheticEnv
 
@@ -121,28 +132,57 @@ def local_spawner(cfg: Config, client: aioredis.Redis, prefix: str, policy_clien
 
 
 def autoscale_target(current: int, backlog: int, queue_depth: float, slots_per_worker: int,
-                     engine_capacity: int, lo: int = 1, hi: int = 8) -> int:
-    """One step of the autoscale rule; returns the new worker count within [lo, hi]."""
-    if backlog > current * slots_per_worker and queue_depth < engine_capacity:
-        return min(hi, current + 1)
-    if backlog == 0 and queue_depth >= engine_capacity and current > lo:
-        return max(lo, current - 1)
-    return max(lo, min(hi, current))
+                     engine_capacity: int, lo: int = 1, hi: int = 8) -> tuple[int, str]:
+    """One step of the autoscale rule: (the new worker count within [lo, hi], what it saw)."""
+    seen = (f"{backlog} task(s) waiting for {current} worker(s) x {slots_per_worker} slot(s), "
+            f"engine queue {queue_depth:g}/{engine_capacity}")
+    if backlog > current * slots_per_worker and queue_depth < engine_capacity and current < hi:
+        return current + 1, f"autoscale up: {seen}"
+    if current > lo and backlog <= (current - 1) * slots_per_worker:
+        return current - 1, f"autoscale down: {seen}"
+    return max(lo, min(hi, current)), seen
 
 
-def autoscaler(cfg: Config, client: aioredis.Redis, prefix: str) -> Callable[[int], Awaitable[int]]:
-    """The `actors.autoscale` rule bound to a job: its task stream's backlog and this process's engine queue depth."""
-    slots = max(1, math.ceil(cfg.actors.concurrent_episodes / cfg.actors.group_size))
+DOWN_PATIENCE = 5  # polls in a row (about 5 s) a shrink must be called for before the autoscaler makes it
 
-    async def rule(current: int) -> int:
-        backlog = await stream_backlog(client, tasks_stream(prefix))
-        return autoscale_target(current, backlog, metrics.engine_queue_depth(), slots, cfg.engines.max_batch_size,
-                                lo=1, hi=cfg.actors.autoscale_max_workers)
-    return rule
+
+class Autoscaler:
+    """The `actors.autoscale` rule bound to a job: its task stream's backlog and the fullest of
+    `engine_urls` (the policy and Mexp engines its workers call), against `engines.max_batch_size`.
+    Grows at once; shrinks after DOWN_PATIENCE consecutive calls for it. `await rule(current)` ->
+    (target, what it saw); `aclose()` ends its HTTP session."""
+
+    def __init__(self, cfg: Config, client: aioredis.Redis, prefix: str, engine_urls: list[str]):
+        self.client, self.prefix, self.engine_urls = client, prefix, list(engine_urls)
+        self.slots = max(1, math.ceil(cfg.actors.concurrent_episodes / cfg.actors.group_size))
+        self.capacity, self.hi = cfg.engines.max_batch_size, cfg.actors.autoscale_max_workers
+        self.session: aiohttp.ClientSession | None = None  # made on first use, on the pool's event loop
+        self.downs = 0
+
+    async def __call__(self, current: int) -> tuple[int, str]:
+        backlog = await stream_backlog(self.client, tasks_stream(self.prefix))
+        depth = 0.0
+        if self.engine_urls:
+            self.session = self.session or aiohttp.ClientSession()
+            depth = await max_queue_depth(self.session, self.engine_urls)
+        target, why = autoscale_target(current, backlog, depth, self.slots, self.capacity, lo=1, hi=self.hi)
+        self.downs = self.downs + 1 if target < current else 0
+        if target < current and self.downs < DOWN_PATIENCE:
+            return current, why
+        self.downs = 0
+        return target, why
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
+MAX_HISTORY = 1000  # resize events kept per pool (the oldest go first; `history_dropped` counts them)
 
 
 class WorkerPool:
-    """Spawns and retires workers to match a target count."""
+    """Spawns and retires workers to match a target count, keeping a history of every resize."""
 
     def __init__(self, spawn: Callable[[str], WorkerHandle | Awaitable[WorkerHandle]], drain_timeout_s: float = 120.0,
                  on_stop: Callable[[str], None] | None = None):
@@ -150,6 +190,9 @@ class WorkerPool:
         self.spawn_fn, self.drain_timeout_s, self.on_stop = spawn, drain_timeout_s, on_stop
         self.workers: list[WorkerHandle] = []
         self.retired: list[dict] = []
+        self.history: list[dict] = []  # {"at", "from", "to", "reason"[, "stopped"]}, oldest first
+        self.history_dropped = 0
+        self.target: int | None = None  # the target this pool last followed (the control key's value)
         self._next = 0
         self.closed = False  # set by `retire`: no worker starts again, whatever the control key says
         self._scaling = asyncio.Lock()
@@ -157,13 +200,14 @@ class WorkerPool:
     def __len__(self) -> int:
         return len(self.workers)
 
-    async def scale_to(self, n: int, drain: bool = True) -> None:
+    async def scale_to(self, n: int, drain: bool = True, reason: str = "") -> None:
         async with self._scaling:  # the watcher and `retire` may both resize
-            await self._scale_to(n, drain)
+            await self._scale_to(n, drain, reason)
 
-    async def _scale_to(self, n: int, drain: bool) -> None:
+    async def _scale_to(self, n: int, drain: bool, reason: str) -> None:
         if self.closed:
             n = 0
+        before, stopped = len(self.workers), []
         while len(self.workers) < n:
             wid = f"w{self._next}"
             self._next += 1
@@ -173,57 +217,100 @@ class WorkerPool:
             log.info("rollout worker %s started (%d running)", wid, len(self.workers))
         while len(self.workers) > n:
             h = self.workers.pop()
-            try:
-                status = await asyncio.wait_for(h.stop(drain=drain), self.drain_timeout_s)
-            except asyncio.TimeoutError:
-                log.warning("worker %s did not drain in %.0fs; handing its tasks back", h.worker_id, self.drain_timeout_s)
-                status = await h.stop(drain=False)
-            self.retired.append(status)
-            metrics.ROLLOUT_SCALE_EVENTS.labels(direction="down").inc()
-            if self.on_stop is not None:
-                self.on_stop(h.worker_id)
-            log.info("rollout worker %s stopped (%d running)", h.worker_id, len(self.workers))
+            stopped.append(await self._stop_one(h, drain))
         metrics.ROLLOUT_POOL_WORKERS.set(len(self.workers))
+        if len(self.workers) != before:
+            self._record({"at": round(time.time(), 3), "from": before, "to": len(self.workers),
+                          "reason": reason or "resize", **({"stopped": stopped} if stopped else {})})
+
+    async def _stop_one(self, h: WorkerHandle, drain: bool) -> dict:
+        """Stop one worker: drained (its in-flight groups finish and push), or its tasks handed back
+        (no drain asked, or the drain took over `drain_timeout_s`); returns how it ended."""
+        inflight = None
+        with contextlib.suppress(Exception):  # a dead worker has no status: it is stopped all the same
+            inflight = (await asyncio.wait_for(h.status(), 10)).get("inflight")
+        how = "drained" if drain else "handed back"
+        try:
+            status = await asyncio.wait_for(h.stop(drain=drain), self.drain_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("worker %s did not drain in %.0fs; handing its tasks back", h.worker_id, self.drain_timeout_s)
+            status, how = await h.stop(drain=False), "handed back"
+        self.retired.append(status)
+        metrics.ROLLOUT_SCALE_EVENTS.labels(direction="down").inc()
+        if self.on_stop is not None:
+            self.on_stop(h.worker_id)
+        log.info("rollout worker %s stopped (%s; %d running)", h.worker_id, how, len(self.workers))
+        return {"worker": h.worker_id, "inflight": inflight, "how": how,
+                "trajectories_pushed": status.get("trajectories_pushed")}
+
+    def _record(self, event: dict) -> None:
+        self.history.append(event)
+        if len(self.history) > MAX_HISTORY:
+            del self.history[0]
+            self.history_dropped += 1
+
+    def report(self) -> dict:
+        """What summary.json keeps of this pool: its resizes, the most workers it ran, how many it retired."""
+        sizes = [e["to"] for e in self.history] + [e["from"] for e in self.history]
+        return {"history": list(self.history), "history_dropped": self.history_dropped,
+                "max_workers": max(sizes, default=len(self.workers)), "workers_started": self._next}
+
+    def _follow(self, target: int, cause: str) -> None:
+        self.target = target
+        metrics.ROLLOUT_POOL_TARGET.set(target)
+        if cause:
+            metrics.ROLLOUT_POOL_RESIZES.labels(cause=cause).inc()
 
     async def statuses(self) -> list[dict]:
         return [await h.status() for h in self.workers]
 
     async def watch(self, client: aioredis.Redis, prefix: str, stop_event: asyncio.Event, poll_s: float = 1.0,
-                    autoscale: Callable[[int], Awaitable[int]] | None = None) -> None:
-        """Follow the control key (and the autoscale rule, when given) until stop_event."""
+                    autoscale: Callable[[int], Awaitable[tuple[int, str]]] | None = None) -> None:
+        """Follow the control key (and the autoscale rule, when given) until stop_event. A control key that
+        changed since this pool last set or read it is a `dreamgym scale`; the rule then moves on from there."""
         await with_retry(lambda: client.set(desired_key(prefix), len(self.workers), nx=True), "init worker target")
+        if self.target is None:
+            self._follow(len(self.workers), "")
         while not stop_event.is_set():
             raw = await with_retry(lambda: client.get(desired_key(prefix)), "read worker target")
             target = int(raw) if raw is not None else len(self.workers)
             if self.closed:
                 break
+            reason = ""
+            if target != self.target:
+                reason = f"dreamgym scale --workers {target}"
+                self._follow(target, "command")
             if autoscale is not None:
-                target = await autoscale(target)
-                await with_retry(lambda: client.set(desired_key(prefix), target), "set worker target")
+                wanted, why = await autoscale(target)
+                if wanted != target:
+                    target, reason = wanted, why
+                    await with_retry(lambda: client.set(desired_key(prefix), target), "set worker target")
+                    self._follow(target, "autoscale")
             if target != len(self.workers):
-                await self.scale_to(target)
+                await self.scale_to(target, reason=reason or f"target {target}")
             await with_retry(lambda: client.set(alive_key(prefix), len(self.workers)), "report live workers")
             try:
                 await asyncio.wait_for(stop_event.wait(), poll_s)
             except asyncio.TimeoutError:
                 pass
 
-    async def stop_all(self, drain: bool = False) -> None:
-        await self.scale_to(0, drain=drain)
+    async def stop_all(self, drain: bool = False, reason: str = "") -> None:
+        await self.scale_to(0, drain=drain, reason=reason)
 
-    async def retire(self) -> None:
+    async def retire(self, reason: str = "retired") -> None:
         """Stop every worker for good, letting in-flight groups finish and push (a spent real budget:
         their remaining steps end at once, and what they already took still trains)."""
         self.closed = True
-        await self.stop_all(drain=True)
+        await self.stop_all(drain=True, reason=reason)
 
     @contextlib.asynccontextmanager
     async def running(self, client: aioredis.Redis, prefix: str, n: int,
-                      autoscale: Callable[[int], Awaitable[int]] | None = None) -> AsyncIterator["WorkerPool"]:
+                      autoscale: Callable[[int], Awaitable[tuple[int, str]]] | None = None) -> AsyncIterator["WorkerPool"]:
         """`n` workers that follow `dreamgym scale` (and `autoscale`) until the block ends; then all stop
         without drain (their unfinished tasks are handed back)."""
-        await self.scale_to(n)
+        await self.scale_to(n, reason=f"start: actors.num_workers={n}")
         await with_retry(lambda: client.set(desired_key(prefix), n), "set worker target")
+        self._follow(n, "")
         stop = asyncio.Event()
         watcher = asyncio.create_task(self.watch(client, prefix, stop, autoscale=autoscale))
         try:
@@ -231,4 +318,6 @@ class WorkerPool:
         finally:
             stop.set()
             await watcher
-            await self.stop_all(drain=False)
+            await self.stop_all(drain=False, reason="phase end")
+            if isinstance(autoscale, Autoscaler):
+                await autoscale.aclose()

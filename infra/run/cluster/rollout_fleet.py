@@ -10,7 +10,8 @@ they share:
   own queries) on first use, once per process;
 - `RolloutFleet`: starts or joins Ray, opens the replay buffer the driver seeded in a
   BufferActor when the store admits one process only (Qdrant Edge, qdrant-client's
-  local mode), on the driver's node, and spawns `RayWorkerHandle`s for infra/scale.WorkerPool.
+  local mode), on the `buffer_cpu` node of a labelled cluster, else on the driver's,
+  and spawns `RayWorkerHandle`s for infra/run/workers.WorkerPool.
 
 The factories are small picklable classes, not closures: Ray ships them by value and
 each actor builds its engine clients on its own event loop, on first use. Engine and
@@ -43,7 +44,7 @@ from simulator.reply_memo import ReplyMemo
 log = logging.getLogger(__name__)
 
 
-def _shares_store(cfg: Config) -> bool:
+def shares_store(cfg: Config) -> bool:
     """True when the buffer is a store only one process may open (Edge, or qdrant-client's local mode)."""
     return cfg.simulator.buffer_backend == "edge" or not cfg.simulator.qdrant_url
 
@@ -120,11 +121,14 @@ class RolloutFleet:
         resources = init_ray(cfg.infra.ray_address, runtime_env=cfg.infra.ray_runtime_env)
         self.worker_options = placement_options("rollout", resources, override=cfg.actors.worker_resources or None)
         self.buffer_actor, self.local_buffer = None, buffer
-        if cfg.actors.env_kind == "synthetic" and _shares_store(cfg):
+        if cfg.actors.env_kind == "synthetic" and shares_store(cfg):
             buffer.close()
             self.local_buffer = None
-            # On the driver's node: it reopens the store the driver seeded there (`buffer_path` is local).
-            options = on_node(placement_options("buffer", resources, num_cpus=0.25), driver_node_id())
+            # It reopens the store the driver seeded at `buffer_path`: on the `buffer_cpu` node of a labelled
+            # cluster (which must see that path: the driver's node, or a shared infra.run_dir), else on the driver's.
+            options = placement_options("buffer", resources, num_cpus=0.25)
+            if "resources" not in options:
+                options = on_node(options, driver_node_id())
             self.buffer_actor = BufferActor.options(**options).remote(  # absolute: an actor's cwd is its node's
                 asdict(cfg.simulator), str(Path(buffer_path).resolve()),
                 str(Path(embedding_cache).resolve()) if embedding_cache else "")

@@ -3,8 +3,12 @@
 Owns `ray.init` and placement. Placement is by custom resource labels, one per role,
 so heterogeneous nodes advertise what they are for (`ray start --resources
 '{"mexp_gpu": 1}'` on an SGLang node with a big GPU, `{"learner_gpu": 1}` on the
-training node, `{"rollout_cpu": 16}` on CPU boxes). A role asks for its label only
-when the cluster advertises it, so a plain single machine needs no labels.
+training node, `{"rollout_cpu": 16}` on CPU boxes, `{"buffer_cpu": 1, "scheduler_cpu": 1}`
+on the node that holds the replay buffer's store and runs the curriculum). A cluster that
+advertises none of the labels (a plain single machine) places by CPU alone; one that
+advertises any is a labelled cluster, and there every role the run starts must find its
+label: `check_role_labels` fails the run before its first actor, naming the role and the
+missing label, instead of a role silently landing on whatever node has room.
 
 Ray 2.60 notes: token auth is on by default and every node must agree
 on RAY_AUTH_MODE (we never change it; we pass the driver's value on to workers via
@@ -44,9 +48,11 @@ ROLE_RESOURCES: dict[str, dict[str, float]] = {
     "policy": {"policy_gpu": 1},
     "learner": {"learner_gpu": 1},
     "rollout": {"rollout_cpu": 1},
-    "buffer": {},
-    "scheduler": {},
+    "buffer": {"buffer_cpu": 1},
+    "scheduler": {"scheduler_cpu": 1},
 }
+ROLE_NAMES = {"mexp": "the Mexp engine", "policy": "the policy engine", "learner": "the learner",
+              "rollout": "the rollout workers", "buffer": "the replay-buffer actor", "scheduler": "the curriculum scheduler"}
 
 LOCAL_MEMORY_BYTES = 4 * 1024 ** 3
 LOCAL_OBJECT_STORE_BYTES = 256 * 1024 ** 2
@@ -141,6 +147,33 @@ def placement_options(role: str, cluster_resources: dict[str, float] | None = No
     if wanted:
         opts["resources"] = wanted
     return opts
+
+
+class MissingRoleLabel(RuntimeError):
+    """A labelled cluster lacks the label of a role this run starts."""
+
+
+def check_role_labels(roles: list[str], cluster_resources: dict[str, float],
+                      overrides: dict[str, dict[str, float]] | None = None) -> None:
+    """Fail before any actor starts when a role of `roles` cannot be placed by its label.
+
+    A cluster advertising none of the role labels places by CPU alone (nothing to check, except an
+    `overrides` label, which is always required). On a labelled cluster every role needs its label
+    (or its override, e.g. `actors.worker_resources` for 'rollout') on some node; Ray would otherwise
+    leave an actor pending forever (an override) or put it anywhere (a default label). The error
+    names every role and label missing, and how a node advertises one."""
+    overrides = overrides or {}
+    labelled = any(cluster_resources.get(k, 0) > 0 for r in ROLE_RESOURCES.values() for k in r)
+    missing = []
+    for role in roles:
+        wanted = overrides.get(role) or (ROLE_RESOURCES[role] if labelled else {})
+        missing += [(role, label) for label in wanted if cluster_resources.get(label, 0) <= 0]
+    if missing:
+        said = "; ".join(f"role '{role}' ({ROLE_NAMES[role]}) needs label '{label}'" for role, label in missing)
+        raise MissingRoleLabel(
+            f"no node of this Ray cluster advertises {', '.join(repr(l) for _, l in missing)}: {said}. Give a node "
+            f"the label (`ray start --resources '{{\"{missing[0][1]}\": 1}}'`); a cluster with no role label at all "
+            "places every role by CPU alone")
 
 
 def driver_node_id() -> str:

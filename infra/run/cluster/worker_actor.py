@@ -81,7 +81,8 @@ class RayWorkerHandle:
               handler_timeout_s: float = 0.0) -> "RayWorkerHandle":
         """Start the actor and its run loop; `buffer` is the worker's write-back sink (picklable) or None;
         `handler_timeout_s` is infra.handler_timeout_s, the task stream's handler deadline."""
-        actor = RolloutWorkerActor.options(name=f"rollout-{worker_id}", **(options or {})).remote(
+        # named per run: two jobs on one cluster each have a w0
+        actor = RolloutWorkerActor.options(name=f"rollout-{prefix}-{worker_id}", **(options or {})).remote(
             worker_id, redis_url, prefix, dataclasses.asdict(actors_cfg), make_policy, make_env, buffer,
             reclaim_idle_ms, maxlen, redis_tls_ca, max_deliveries, handler_timeout_s)
         return cls(worker_id, actor, actor.run.remote())
