@@ -91,6 +91,7 @@ from learner.policy_model import PolicyModel
 from learner.precision import Precision
 from learner.staleness import StalenessFilter
 from learner.update import UpdateStats, apply_update, new_optimizer
+from learner.weight_sync import distributed_sync
 from learner.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
@@ -392,11 +393,15 @@ class Learner:
         """Stop the FSDP ranks (learner.num_gpus > 1); nothing to do for one process."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.publisher is not None:
+            self.publisher.close()
 
     async def finish(self) -> None:
         """End of training: publish the weights if the last update's were not, and checkpoint."""
         if self.updates % self.cfg.publish_every:
             await self.publish()
+        if self.publisher is not None:
+            await self.publisher.keep_final(self.exported, self.version)
         await self.checkpoint()
 
     # ---- checkpoints --------------------------------------------------------------
@@ -469,6 +474,6 @@ def stream_learner(cfg: Config, client: Any, prefix: str, run_dir: str | Path, p
                               max_deliveries=cfg.infra.max_deliveries, count_on_use=True)
     dtype = cfg.engines.dtype if cfg.learner.publish_dtype == "auto" else cfg.learner.publish_dtype
     publisher = WeightPublisher(run_dir, policy_engines, keep=cfg.learner.keep_weights, dtype=dtype,
-                                root=cfg.infra.weights_dir)
+                                root=cfg.infra.weights_dir, sync=distributed_sync(cfg, policy_engines, dtype))
     return Learner(cfg.learner, policy_model, run_dir, consumer, publisher, group_size=cfg.actors.group_size,
                    launcher=launcher)

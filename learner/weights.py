@@ -14,6 +14,9 @@ latest published version, or, for a run that published none (the base and SFT
 regimes, `learner.total_updates=0`), the policy it started from, which
 `record_start` names in `<run_dir>/policy.json` (the warm start sits in a cache under
 `infra.data_dir`, the base model is a name).
+With a `sync` (`learner.weight_sync=distributed`, learner/weight_sync.py) versions travel
+over a process group instead and nothing is written per version; the last one is saved
+here when training ends (`keep_final`), so `resolve_model` still finds the run's policy.
 """
 
 from __future__ import annotations
@@ -113,13 +116,20 @@ class WeightPublisher:
     """Saves a PolicyModel as version N and points the engines at it."""
 
     def __init__(self, run_dir: str | Path, client: WeightSink | None = None, keep: int = 2, *,
-                 dtype: str = "float32", root: str | Path = ""):
+                 dtype: str = "float32", root: str | Path = "", sync: Any = None):
         self.run_dir, self.client, self.keep, self.dtype = Path(run_dir), client, max(1, keep), dtype
+        self.sync = sync  # a DistributedSync: versions go over its process group, not through this directory
         self.last_published: int | None = None
         if root:
             link_shared_dir(self.run_dir, Path(root))
 
     async def publish(self, policy: Any, version: int) -> Path:
+        if self.sync is not None:
+            await self.sync.send(policy, version)
+            self.last_published = version
+            metrics.LEARNER_WEIGHT_VERSION.set(version)
+            log.info("published weights v%d over the weight-update group", version)
+            return version_path(self.run_dir, version)  # not written: keep_final writes the last one
         path = version_path(self.run_dir, version)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Serialising 0.5 GB blocks; keep the event loop (stream heartbeats) responsive.
@@ -131,6 +141,19 @@ class WeightPublisher:
         self._prune()
         log.info("published weights v%d at %s", version, path)
         return path
+
+    async def keep_final(self, policy: Any, version: int) -> None:
+        """End of training with a `sync`: write the last version here (the engines already serve it)."""
+        if self.sync is None or version in published_versions(self.run_dir):
+            return
+        path = version_path(self.run_dir, version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(policy.save_hf, path, dtype=self.dtype)
+        self._prune()
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
 
     def _prune(self) -> None:
         for v in published_versions(self.run_dir)[:-self.keep]:

@@ -352,6 +352,43 @@ class EngineClient:
         if r.status != 200 or not body.get("success", False):
             raise EngineRequestError(r.status, f"{s.url}: weight update to {path} refused: {body.get('message', body)}")
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
+                                        backend: str) -> None:
+        """SGLang's `/init_weights_update_group` on every server: the caller is rank 0 of 1 + N, server i
+        rank i + 1. Each answer comes once the group has formed, so the caller joins meanwhile.
+        Raises EngineError if a server did not join (the group cannot form without it)."""
+        world = 1 + len(self.servers)
+        await self._each("/init_weights_update_group", [
+            {"master_address": master_address, "master_port": int(master_port), "rank_offset": i + 1,
+             "world_size": world, "group_name": group_name, "backend": backend} for i in range(len(self.servers))])
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: int) -> None:
+        """SGLang's `/update_weights_from_distributed` on every server (each answers once it has received the
+        broadcast of every named tensor, which the caller sends meanwhile). Raises EngineError on any refusal."""
+        payload = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                   "group_name": group_name, "flush_cache": True, "weight_version": str(weight_version)}
+        await self._each("/update_weights_from_distributed", [payload] * len(self.servers))
+
+    async def _each(self, path: str, payloads: list[dict]) -> None:
+        """POST payloads[i] to server i (no failover: each call concerns that server); every one must succeed."""
+        async def one(s: _Server, payload: dict) -> None:
+            try:
+                async with self._sess().post(s.url + path, json=payload) as r:
+                    body = await r.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+                self._mark_dead(s, f"{path}: {exc!r}")
+                raise EngineError(f"{s.url}{path}: unreachable: {exc!r}") from exc
+            if r.status != 200 or not isinstance(body, dict) or not body.get("success", False):
+                message = body.get("message", body) if isinstance(body, dict) else body
+                raise EngineError(f"{s.url}{path}: HTTP {r.status}: {message}")
+
+        results = await asyncio.gather(*(one(s, p) for s, p in zip(self.servers, payloads)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise EngineError(f"{path} failed on {len(failed)} of {len(self.servers)} servers: "
+                              f"{[str(f) for f in failed]}")
+
     async def _catch_up(self, s: _Server) -> bool:
         """A server back from the dead gets the latest weights before it serves again."""
         if self._latest_weights is None:

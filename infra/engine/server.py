@@ -2,7 +2,8 @@
 
 Owns the HTTP face of `infra.engine.batcher.Batcher`: request validation, the JSON
 shapes of SGLang's `/generate`, `/health`, `/health_generate`, `/get_model_info`,
-`/update_weights_from_disk`, the OpenAI-compatible `/v1/completions` and
+`/update_weights_from_disk` (and, through infra/engine/weight_group.py, `/init_weights_update_group`
+and `/update_weights_from_distributed`), the OpenAI-compatible `/v1/completions` and
 `/v1/chat/completions` (non-streaming), `/metrics`, and the `dreamgym serve` command.
 The shapes are pinned in tests/test_engine_contract.py.
 
@@ -45,6 +46,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from infra.config import EngineConfig, add_config_arguments, config_from_args
+from infra.engine import weight_group
 from infra.engine.batcher import Batcher, model_device
 from infra.engine.models import cache_dir, load_model, load_weights
 from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFull, RequestError, RequestFailed,
@@ -90,6 +92,7 @@ class EngineApp:
             web.post("/v1/completions", self.oai_completions), web.post("/v1/chat/completions", self.oai_chat),
             web.get("/v1/models", self.oai_models), web.get("/metrics", self.metrics),
         ])
+        self.weight_group = weight_group.add_routes(self)  # SGLang's weight-update group (a learner's broadcast)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
