@@ -90,6 +90,7 @@ from learner.inflight import STRIKES_TO_DEAD_LETTER, InflightLedger
 from learner.policy_model import PolicyModel
 from learner.precision import Precision
 from learner.staleness import StalenessFilter
+from learner.trained_record import TrainedRecord
 from learner.update import UpdateStats, apply_update, new_optimizer
 from learner.weight_sync import distributed_sync
 from learner.weights import WeightPublisher
@@ -166,6 +167,7 @@ class Learner:
         self.rank_restarts = 0  # FSDP rank groups started again after a rank died (learner.num_gpus > 1)
         self._restarts_in_a_row = 0
         self.ledger = InflightLedger(self.run_dir)
+        self.record = TrainedRecord(self.run_dir)  # which trajectories entered which update (audits)
         self._recovered = False
         self.version = 0
         self.updates = 0
@@ -288,6 +290,7 @@ class Learner:
         self.batches.trained(units)
         self.updates += 1
         self.version += 1
+        self.record.append(self.version, [t.trajectory_id for u in units for t in u.trajs])
         stats.version = self.version
         stats.discarded = self.batches.take_discarded()
         if self.publisher is not None and self.updates % self.cfg.publish_every == 0:
