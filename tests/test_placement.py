@@ -103,7 +103,7 @@ async def test_train_on_a_cluster_without_a_role_s_label_fails_at_once(cluster, 
 
     c, _node_ids = cluster
     cfg = load_config(None, [*tiny_run, "actors.runtime=ray", f"infra.ray_address={c.address}",
-                             "infra.ray_runtime_env=off", "actors.env_kind=synthetic", "learner.total_updates=1"])
+                             'infra.ray_runtime_env="off"', "actors.env_kind=synthetic", "learner.total_updates=1"])
     t0 = time.monotonic()
     with pytest.raises(MissingRoleLabel) as caught:
         await train(cfg, "unlabelled", evaluate=False)
