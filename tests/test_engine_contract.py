@@ -17,6 +17,15 @@ Shapes pinned from SGLang's own source and docs (sgl-project/sglang):
   [logprob, token_id, text|None] for the input tokens at positions k.. (SGLang's
   `TokenizerManager.convert_logprob_style`; position 0 has no log-prob, so k >= 1 gives
   numbers only); with max_new_tokens 0 nothing is generated (prefill only: scoring).
+- the same `io_struct.py` (read at commit 001067fffe33427bee0ed2f007fb7551a1d76b44):
+  `InitWeightsUpdateGroupReqInput` (master_address, master_port, rank_offset, world_size,
+  group_name = "weight_update_group", backend = "nccl") and
+  `UpdateWeightsFromDistributedReqInput` (names, dtypes, shapes, group_name, flush_cache,
+  abort_all_requests, weight_version: Optional[str], load_format, torch_empty_cache), both
+  answered `{success, message}`; `ModelRunner.init_weights_update_group` joins as rank
+  `rank_offset + tp_rank` through `init_custom_process_group(init_method="tcp://addr:port")`
+  and `update_weights_from_distributed` receives one broadcast from rank 0 per name, into
+  `torch.empty(shape, dtype=getattr(torch, dtype))` (dtypes spelled "bfloat16", no "torch.").
 - `docs/basic_usage/native_api.md`: `/health` (200, empty), `/get_model_info`
   (`model_path`, `tokenizer_path`, `is_generation`, ...).
 - `python/sglang/srt/utils.py` `add_api_key_middleware` (`--api-key`): every path but
@@ -55,6 +64,11 @@ SAMPLING_FIELDS = {
 UPDATE_FIELDS = {"model_path": str, "load_format": (str, type(None)), "abort_all_requests": bool,
                  "weight_version": (str, type(None)), "is_async": bool, "torch_empty_cache": bool,
                  "keep_pause": bool, "recapture_cuda_graph": bool, "token_step": int, "flush_cache": bool}
+INIT_GROUP_FIELDS = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
+                     "group_name": str, "backend": str}
+DISTRIBUTED_FIELDS = {"names": list, "dtypes": list, "shapes": list, "group_name": str, "flush_cache": bool,
+                      "abort_all_requests": bool, "weight_version": (str, type(None)), "load_format": (str, type(None)),
+                      "torch_empty_cache": bool}
 
 
 def check_fields(obj: dict, pinned: dict, where: str) -> None:
@@ -162,6 +176,25 @@ def fake_sglang(api_key: str = "", busy: list[tuple[int, str | None]] | None = N
         seen.append(("update", body))
         return web.json_response({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
 
+    async def weight_group(request: web.Request) -> web.Response:
+        body, path = await request.json(), request.path.strip("/")
+        try:
+            if path == "init_weights_update_group":
+                check_fields(body, INIT_GROUP_FIELDS, "InitWeightsUpdateGroupReqInput")
+                assert {"master_address", "master_port", "rank_offset", "world_size"} <= body.keys()
+                assert 0 < body["rank_offset"] < body["world_size"], "rank 0 is the trainer's"
+            else:
+                check_fields(body, DISTRIBUTED_FIELDS, "UpdateWeightsFromDistributedReqInput")
+                assert len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]) > 0
+                import torch  # the dtype names SGLang resolves with getattr(torch, dtype)
+
+                assert all(isinstance(getattr(torch, d, None), torch.dtype) for d in body["dtypes"]), body["dtypes"]
+                assert all(isinstance(s, list) and all(isinstance(x, int) for x in s) for s in body["shapes"])
+        except AssertionError as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        seen.append((path, body))
+        return web.json_response({"success": True, "message": "Succeeded."})
+
     async def model_info(request: web.Request) -> web.Response:
         return web.json_response({"model_path": "/models/x", "tokenizer_path": "/models/x", "is_generation": True,
                                   "preferred_sampling_params": None, "weight_version": "default"})
@@ -171,7 +204,9 @@ def fake_sglang(api_key: str = "", busy: list[tuple[int, str | None]] | None = N
 
     app = web.Application(middlewares=[auth])
     app.add_routes([web.post("/generate", generate), web.post("/update_weights_from_disk", update),
-                    web.get("/get_model_info", model_info), web.get("/health", health)])
+                    web.get("/get_model_info", model_info), web.get("/health", health),
+                    web.post("/init_weights_update_group", weight_group),
+                    web.post("/update_weights_from_distributed", weight_group)])
     return app, seen
 
 
@@ -248,6 +283,28 @@ async def test_client_requests_conform_to_sglang(fake_url):
     kinds = [k for k, _ in seen]
     assert kinds == ["generate", "generate", "update"]
     assert seen[2][1]["weight_version"] == "7" and seen[2][1]["model_path"] == "/ckpt/step-7"
+
+
+async def test_client_weight_group_requests_conform_to_sglang():
+    """learner.weight_sync=distributed: one group for all servers (the learner rank 0, server i rank i + 1),
+    then per version names, dtypes, shapes and a string weight_version, as SGLang's structs take them."""
+    (app1, seen1), (app2, seen2) = fake_sglang(), fake_sglang()
+    (url1, r1), (url2, r2) = await _serve(app1), await _serve(app2)
+    try:
+        async with EngineClient([url1, url2], role="test", max_retries=0) as client:
+            await client.init_weights_update_group("10.0.0.5", 29500, "dreamgym-weights-1", "nccl")
+            await client.update_weights_from_distributed(["model.norm.weight", "lm_head.weight"], ["bfloat16", "float32"],
+                                                         [[576], [49152, 576]], "dreamgym-weights-1", 7)
+    finally:
+        await r1.cleanup()
+        await r2.cleanup()
+    for seen, rank in ((seen1, 1), (seen2, 2)):
+        (init_path, init), (upd_path, upd) = seen
+        assert init_path == "init_weights_update_group" and upd_path == "update_weights_from_distributed"
+        assert init == {"master_address": "10.0.0.5", "master_port": 29500, "rank_offset": rank, "world_size": 3,
+                        "group_name": "dreamgym-weights-1", "backend": "nccl"}
+        assert upd["weight_version"] == "7" and upd["group_name"] == "dreamgym-weights-1"
+        assert upd["dtypes"] == ["bfloat16", "float32"] and upd["shapes"] == [[576], [49152, 576]]
 
 
 async def test_client_scores_continuations_as_sglang_prefill_logprobs(fake_url):
