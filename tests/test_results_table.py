@@ -119,3 +119,17 @@ def test_a_runs_training_tasks_are_summed_up_for_the_slices():
     assert training_tasks(tasks) == {"tasks": 2, "families": ["custom", "custom-2"], "plan_length_max": 4}
     tasks.append(Task("c", "x", family="miniwob/click"))  # one task without a recorded plan: no horizon
     assert training_tasks(tasks)["plan_length_max"] is None
+
+
+def test_every_row_names_the_warm_start_it_started_from(tmp_path):
+    """summary.json's `warm_start` (infra/run/artifacts.warm_start_record) becomes the row's 'warm start' cell:
+    the early-stopped step and how many were trained, a fixed start's steps, '–' for a run without one."""
+    exp = experiment(tmp_path, {"base": {}, "sft": {"overrides": ["learner.total_updates=0"]}, "sft_8": {}})
+    wins = [1] * 8 + [0] * 8
+    best = {"mode": "best", "steps": 40, "trained_steps": 64, "val_success": 10 / 13, "val_tasks": 13}
+    res = results(exp, {"base": [summary(wins)], "sft": [{**summary(wins), "warm_start": best}],
+                        "sft_8": [{**summary(wins), "warm_start": {"mode": "fixed", "steps": 8}}]})
+    md = markdown(res)
+    assert cells(md, "sft", "| regime |")["warm start"] == "best: 40 of 64 steps (val 76.9)"
+    assert cells(md, "sft_8", "| regime |")["warm start"] == "8 steps"
+    assert cells(md, "base", "| regime |")["warm start"] == "–"

@@ -69,6 +69,7 @@ def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, ba
                          [b["heldout_after"].get("per_task", []) for b in baseline])
         out.update({"vs": baseline_name, "diff": d.diff, "diff_ci_low": d.ci_low, "diff_ci_high": d.ci_high,
                     "diff_tasks": d.tasks, "diff_excludes_zero": d.excludes_zero})
+    out["warm_start"] = s.get("warm_start")  # which SFT the run started from (summary.json; None without one)
     out["mexp_answered"] = mexp_answered(runs)
     if out["mexp_answered"] is None and source and (carried := mexp_answered(source)) is not None:
         out["mexp_answered"] = {**carried, "carried_from_source": True}  # sim-to-real: its DreamGym phase's
@@ -148,6 +149,17 @@ def wall_time(res: dict) -> str:
             "(a regime that continues another counts only its own part).")
 
 
+def started_from(r: dict) -> str:
+    """A row's warm start: 'best: 40 of 64 steps (val 76.9)' for an early-stopped one (the step kept, the steps
+    trained, its validation success), '8 steps' for a fixed one, '–' without one (or a run from before it was recorded)."""
+    w = r.get("warm_start")
+    if not w or w.get("steps") is None:
+        return "–"
+    if w.get("mode") == "best":
+        return f"best: {w['steps']} of {w.get('trained_steps', w['steps'])} steps (val {_pct(w.get('val_success'))})"
+    return f"{w['steps']} steps"
+
+
 def answered(r: dict) -> str:
     """A row's share of synthetic steps that Mexp answered: '28.1 (102 of 363)'; '–' where none was counted."""
     m = r.get("mexp_answered")
@@ -160,7 +172,7 @@ def answered(r: dict) -> str:
 def markdown(res: dict) -> str:
     head = ["regime", "held-out success % [95% CI]", f"Δ vs {res['compare_to']} (pts) [95% CI]" if res["compare_to"]
             else "Δ", "real transitions (online)", "synthetic transitions", "Mexp answered % of synthetic steps",
-            "updates", "Mexp reward acc", "Mexp ΔR", "wall s"]
+            "warm start", "updates", "Mexp reward acc", "Mexp ΔR", "wall s"]
     lines = [f"# {res['experiment']}", "", res["about"], "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for r in res["regimes"]:
@@ -171,7 +183,7 @@ def markdown(res: dict) -> str:
         dr = "–" if r["mexp_delta_r"] is None else f"{r['mexp_delta_r']:.3f}"
         lines.append(f"| {r['regime']} | {_pct(r['success_rate'])} [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]{_runs(r)} "
                      f"| {diff} | {r['real_transitions']} | {r['synthetic_transitions']} | {answered(r)} "
-                     f"| {r['updates']} | {acc} "
+                     f"| {started_from(r)} | {r['updates']} | {acc} "
                      f"| {dr} | {r['wall_seconds'] or 0:.0f} |")
     for r in res["regimes"]:
         for b in r.get("between_phases", []):
@@ -195,7 +207,8 @@ def markdown(res: dict) -> str:
                   "resample its runs as well as the tasks; its costs are its first run's. Mexp answered: of "
                   "the synthetic steps of a regime's DreamGym phases (all its runs), those Mexp generated (or "
                   "its reply memo repeated), the rest replayed a real transition of the offline data "
-                  "(simulator.replay_real)."]
+                  "(simulator.replay_real). Warm start: the SFT the run started from (learner.warm_start=best: the "
+                  "step kept of those trained, chosen by greedy success on a validation split of the training tasks)."]
     return "\n".join(lines) + "\n"
 
 
