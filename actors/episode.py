@@ -30,8 +30,11 @@ its rules, so the three never disagree on what an episode was:
 - an invalid reply (a generate-mode decision with `invalid_reason`: cut off, no
   `<action>`, not a candidate; actors/reply.py) never reaches the environment: the Step
   records it with `valid` false, the reason, reward `-format_penalty`, the same state as
-  next state, and it counts toward `max_steps` (not toward a real-transition budget).
-  The next turn tells the policy why. An unmatched action with `free_text` goes to an
+  next state, and it counts toward `max_steps` and toward a real-transition budget: in a
+  real episode it is a turn the agent spent there, and the trajectory that the learner
+  trains on holds it (a phase that paid only for `env.step`s would learn the reply format
+  from unpaid real episodes, and the budget could never be spent by an agent that writes
+  none). The next turn tells the policy why. An unmatched action with `free_text` goes to an
   environment whose `accepts_free_text` is true as written (its own rules decide).
   Invalid replies are counted in `policy_invalid_replies_total{reason}`.
 
@@ -112,7 +115,7 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
     """Play `task` in `env` with `choose` for at most `max_steps` steps.
 
     `policy_version` is the trajectory's version when the chooser reports none (scripted ones).
-    `budget` (infra/budget.StepBudget) is asked for every step before it runs; once it is spent
+    `budget` (infra/budget.StepBudget) is asked for every step, an invalid reply's too, before it runs; once it is spent
     the episode ends `truncated` where it stands.
     """
     kind = EnvKind(env_kind)
@@ -147,6 +150,9 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
             if not isinstance(choice, str):
                 versions.append(int(choice.weight_version))
             in_env, t_policy, t = True, t_policy + time.monotonic() - t, time.monotonic()
+            if budget is not None and not await budget.take():
+                traj.status = Status.TRUNCATED  # the run's real-transition budget is spent
+                break
             if reason:  # the environment is not asked: same state, the policy hears why next turn
                 metrics.POLICY_INVALID_REPLIES.labels(reason).inc()
                 penalty = float(getattr(choice, "format_penalty", 0.0) or 0.0)
@@ -155,9 +161,6 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
                                          source, invalid_reason=reason))
                 history.append(choice)
                 continue
-            if budget is not None and not await budget.take():
-                traj.status = Status.TRUNCATED  # the run's real-transition budget is spent
-                break
             res = await env.step(action)
             t_env += time.monotonic() - t
             traj.steps.append(record(state, action, res, choice, source))

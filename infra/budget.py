@@ -2,11 +2,13 @@
 
 Owns the count that the real-environment baseline and sim-to-real are compared by
 (the paper's x-axis: real transitions used). One Redis counter per run and phase:
-before each real `env.step`, the episode loop calls `take()`, an atomic INCR; the step
-runs only when the counter is still within the limit. Concurrent workers on any node
+before each step of a real episode, the episode loop calls `take()`, an atomic INCR; the
+step runs only when the counter is still within the limit. Concurrent workers on any node
 therefore never use more than the limit between them, and `used()` is exact: every
 granted take is one step that ran (a step that then crashed still counts: the
-environment was touched). Takes refused past the limit overshoot the raw counter,
+environment was touched; a generate-mode reply that named no action counts too: the
+agent spent that turn of the real episode, and its trajectory trains on it,
+actors/episode.py). Takes refused past the limit overshoot the raw counter,
 which is why `used()` clips it. A limit of 0 means no limit: steps are only counted.
 
 Holds: a rollout worker reserves a whole group's worst case (G episodes x max_steps) before it

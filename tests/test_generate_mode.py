@@ -161,6 +161,28 @@ async def test_free_text_goes_to_an_env_that_takes_it_and_is_invalid_elsewhere(t
         assert env.actions == [] and [s.invalid_reason for s in traj.steps] == [NOT_ADMISSIBLE] * 2
 
 
+async def test_an_invalid_reply_in_a_real_episode_spends_a_real_transition(tok, redis_url):
+    """A real-transition budget pays for every turn of a real episode, a reply that named no action too
+    (actors/episode.py): the environment sees only the valid ones, the budget counts them all, and once
+    it is spent the episode ends where it stands."""
+    from infra.budget import StepBudget
+    from infra.streams import connect
+
+    client = connect(redis_url)
+    budget = StepBudget(client, "gen-budget", limit=5)
+    replies = [("no tags", "stop", False), (GOOD, "stop", False), ("<action>fly</action>", "stop", False)]
+    env = CountingLadder(50)
+    pol = policy(CannedClient(tok, replies), tok)
+
+    async def choose(task, state, candidates, history):
+        return await pol.act(task, state, candidates, history, task.task_id)
+
+    traj = await run_episode(env, TASK, choose, 8, env_kind="real", budget=budget)
+    assert [s.invalid_reason for s in traj.steps] == [NO_ACTION, "", NOT_ADMISSIBLE, NO_ACTION, ""]
+    assert env.actions == ["up", "up"] and await budget.used() == 5 and traj.status == Status.TRUNCATED
+    await client.aclose()
+
+
 async def test_a_long_chat_restarts_with_the_last_actions_and_greedy_works(tok):
     client = CannedClient(tok, [(GOOD, "stop", False), ("<action>down</action>", "stop", False)])
     traj = await play(policy(client, tok, chat_max_chars=900, temperature=0.0), CountingLadder(50), max_steps=6)
@@ -315,3 +337,44 @@ async def test_train_and_eval_build_the_generate_mode_through_the_cli(tiny_run, 
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["episodes"] == 1 and report["invalid_rate"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_dreamgym_train_runs_sim_to_real_in_generate_mode_and_spends_its_real_budget(tiny_run, redis_url):
+    """`dreamgym train ... learner.s2r_real_transitions=4` in generate mode: the DreamGym phase updates, then
+    the real phase spends exactly its 4 real transitions and trains on them. The tiny random policy writes no
+    valid reply, so each of the 4 is an invalid reply in a real episode: a turn spent there (actors/episode.py),
+    the environment left alone. Before, such a phase took none and ran until its train budget.
+    PPO: the all-invalid, equal-reward groups that GRPO would set aside still make updates."""
+    import json
+    from pathlib import Path
+
+    import redis
+
+    from infra.cli import main
+    from infra.config import load_config
+    from infra.run.driver import S2R_PHASE
+    from infra.schema import EnvKind, Trajectory, decode_as
+    from infra.streams import DATA_FIELD, run_prefix, trajectories_stream
+
+    over = [*tiny_run, "actors.env_kind=synthetic", "actors.action_mode=generate", "actors.multi_turn=true",
+            "actors.think=false", "actors.max_reply_tokens=6", "learner.algo=ppo", "learner.total_updates=1",
+            "learner.warm_start_steps=0", "learner.s2r_real_transitions=4", "simulator.max_steps=2",
+            "simulator.max_new_tokens=16", "evaluation.max_steps=2"]
+    real_steps = metrics.ROLLOUT_STEPS.labels("real")._value.get()
+    assert main(["train", "--name", "gen-s2r", *over]) == 0
+    cfg = load_config(None, over)
+    summary = json.loads((Path(cfg.infra.run_dir) / "gen-s2r" / "summary.json").read_text())
+    dream, real = summary["phases"]
+    assert dream["env_kind"] == "synthetic" and dream["updates"] == 1 and dream["synthetic_transitions"] > 0
+    assert real["phase"] == S2R_PHASE and real["env_kind"] == "real" and real["updates"] >= 1
+    assert real["real_transitions"] == 4 and real["transition_budget_spent"] and real["real_transitions_trained"] == 4
+    assert summary["transitions"]["online_real"] == 4 and summary["s2r_real_transitions"] == 4
+    client = redis.Redis.from_url(redis_url)
+    entries = client.xrange(trajectories_stream(run_prefix(cfg.infra.stream_prefix, "gen-s2r")))
+    trajs = [decode_as(fields[DATA_FIELD], Trajectory) for _, fields in entries]
+    steps = [s for t in trajs if t.env_kind == EnvKind.REAL for s in t.steps]  # those the stream still holds
+    assert steps and all(s.invalid_reason and s.action_token_ids for s in steps)
+    # the real environment was never stepped: the 4 real transitions were the replies
+    assert metrics.ROLLOUT_STEPS.labels("real")._value.get() == real_steps
