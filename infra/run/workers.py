@@ -24,8 +24,9 @@ tasks than the workers can take at once, and engines with room -> one more worke
 worker fewer could still take every waiting task (the engines' fullness no longer matters:
 more workers would only queue) -> one fewer, once that has held for `DOWN_PATIENCE` polls
 in a row, so a backlog the curriculum is about to top up does not stop a worker it needs.
-The curriculum keeps about `curriculum.max_backlog` tasks waiting, so a run settles where
-its workers take that many at once, or where the engines fill.
+This is the queue-length rule of KEDA-style autoscalers (about one worker per `slots` waiting
+tasks). The curriculum keeps about `curriculum.max_backlog` tasks waiting, so a run settles
+where its workers take that many at once, or where the engines fill: that setting sizes the pool.
 """
 
 from __future__ import annotations
