@@ -128,6 +128,8 @@ def test_autoscale_rule():
     up, why = autoscale_target(1, backlog=7, queue_depth=2, slots_per_worker=1, engine_capacity=8)
     assert up == 2 and why.startswith("autoscale up: 7 task(s) waiting for 1 worker(s)") and "queue 2/8" in why
     assert autoscale_target(2, 0, 0, 1, 8)[1].startswith("autoscale down:")
+    assert autoscale_target(12, 50, 0, 1, 8, hi=8) == (8, "autoscale within [1, 8]: 50 task(s) waiting for 12 "
+                                                        "worker(s) x 1 slot(s), engine queue 0/8")  # after a scale
 
 
 def test_scale_command_sets_the_target_the_pool_watches(redis_url):

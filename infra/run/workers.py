@@ -141,7 +141,8 @@ def autoscale_target(current: int, backlog: int, queue_depth: float, slots_per_w
         return current + 1, f"autoscale up: {seen}"
     if current > lo and backlog <= (current - 1) * slots_per_worker:
         return current - 1, f"autoscale down: {seen}"
-    return max(lo, min(hi, current)), seen
+    bounded = max(lo, min(hi, current))
+    return bounded, (f"autoscale within [{lo}, {hi}]: {seen}" if bounded != current else seen)
 
 
 DOWN_PATIENCE = 5  # polls in a row (about 5 s) a shrink must be called for before the autoscaler makes it
