@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,40 +27,10 @@ from pathlib import Path
 import psutil
 import redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from tiny_job import fitted_slope, job_processes, load, start_train, tiny_overrides
 
-from infra.engine.models import save_tiny_model  # noqa: E402
-from infra.redis_server import EmbeddedRedis  # noqa: E402
+from infra.redis_server import EmbeddedRedis  # noqa: E402 (tiny_job put the checkout on the path)
 from infra.streams import trajectories_stream  # noqa: E402
-
-
-def load() -> str:
-    return "load %.2f %.2f %.2f" % os.getloadavg()
-
-
-def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (seconds, bytes) in MB per minute."""
-    if len(samples) < 2:
-        return float("nan")
-    n = len(samples)
-    mx = sum(t for t, _ in samples) / n
-    my = sum(v for _, v in samples) / n
-    var = sum((t - mx) ** 2 for t, _ in samples)
-    if var == 0:
-        return float("nan")
-    cov = sum((t - mx) * (v - my) for t, v in samples)
-    return cov / var * 60 / 1e6
-
-
-def job_processes(root: psutil.Process) -> dict[str, psutil.Process]:
-    procs = {"driver": root}
-    try:
-        for child in root.children(recursive=True):
-            procs[f"{child.name()}-{child.pid}"] = child
-    except psutil.NoSuchProcess:
-        pass
-    return procs
 
 
 def main() -> int:
@@ -77,25 +45,11 @@ def main() -> int:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dreamgym-soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "tiny-llama"
-    if not (model / "config.json").exists():
-        save_tiny_model(model)
     budget_s = args.minutes * 60
     name = "soak"
     with EmbeddedRedis(data_dir=work / "redis", appendonly=True) as server:
-        overrides = [
-            f"infra.run_dir={work / 'runs'}", f"infra.data_dir={args.data_dir or work / 'data'}", f"infra.redis_url={server.url}",
-            f"infra.train_budget_s={budget_s}", f"engines.model={model}", "engines.max_batch_size=8",
-            "data.textworld_games=2", "data.textworld_heldout=1", "data.textworld_families=[custom]",
-            "data.policies=[expert]", "data.episodes_per_task=1", "data.workers=1", "data.max_steps=4",
-            "actors.env_kind=real", "actors.num_workers=2", "actors.group_size=2", "actors.concurrent_episodes=4",
-            "actors.max_steps=3", "learner.algo=ppo", "learner.groups_per_update=2", "learner.max_staleness=1000",
-            "learner.checkpoint_every=5", "learner.keep_weights=1", "learner.keep_checkpoints=1",
-            "learner.total_updates=1000000", "curriculum.variants_per_seed=0", "evaluation.before=false"]
-        cmd = [sys.executable, "-m", "infra.cli", "train", "--no-eval", "--name", name, *overrides]
-        log = open(work / "train.log", "ab")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        overrides = tiny_overrides(work, args.data_dir or work / "data", server.url, budget_s)
+        proc = start_train(name, overrides, work / "train.log")
         root = psutil.Process(proc.pid)
         client = redis.Redis.from_url(server.url)
         redis_proc = psutil.Process(server.proc.pid)
@@ -133,12 +87,10 @@ def main() -> int:
 
     rows = []
     for label, samples in series.items():
-        cut = max(1, int(len(samples) * args.warmup))
-        fit = samples[cut:]
         unit = {"stream length": "entries/min", "load average 1m": "per min"}.get(label, "MB/min")
         first, last = samples[0][1], samples[-1][1]
         rows.append({"series": label, "samples": len(samples), "first": round(first / 1e6, 1),  # all stored x 1e6
-                     "last": round(last / 1e6, 1), "slope": round(slope_mb_per_min(fit), 3), "unit": unit})
+                     "last": round(last / 1e6, 1), "slope": round(fitted_slope(samples, args.warmup), 3), "unit": unit})
     print(f"soak: {args.minutes:g} min, exit {rc}, {summary.get('updates', '?')} updates, "
           f"{summary.get('trajectories_trained', '?')} trajectories trained, "
           f"{summary.get('trajectories_pushed', '?')} pushed; slopes fitted after the first {args.warmup:.0%}")
@@ -160,4 +112,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
