@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import math
 import os
 import signal
 import socket
+import threading
+import time
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -221,3 +225,65 @@ async def test_train_with_two_learner_ranks_updates_publishes_and_resumes(tiny_r
     assert second["updates"] == 2 and second["weight_version"] == 2
     assert second["phases"][0]["updates"] == 1 and [r["version"] for r in second["history"]] == [1, 2]
     assert published_versions(run) == [2]
+
+
+def _rank_pids() -> list[int]:
+    """This process's elastic learner ranks (learner/elastic_ranks.py children)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "learner.elastic_ranks" in " ".join(p.cmdline()):
+                out.append(p.pid)
+        except psutil.Error:  # gone meanwhile (the run's other children come and go)
+            pass
+    return out
+
+
+@pytest.mark.slow
+async def test_a_rank_killed_mid_update_the_run_goes_on_from_its_checkpoint_with_nothing_lost(tiny_run, tmp_path,
+                                                                                             redis_url):
+    """`dreamgym train learner.num_gpus=2` (PPO, every trajectory trains: exact counts); rank 1 is killed
+    with SIGKILL while update 3 is in flight, the update-2 checkpoint saved. The learner strikes update 3's
+    entries, starts its ranks again from that checkpoint, retrains update 3 from its redelivered entries and
+    finishes its 4 updates: nothing lost (tests/test_faults.account), every trajectory trained once."""
+    from test_faults import account
+
+    from infra.run.driver import train
+
+    name, run_dir = "rank-killed", tmp_path / "runs" / "rank-killed"
+    cfg = load_config(None, [*tiny_run, "learner.num_gpus=2", "learner.algo=ppo", "learner.groups_per_update=2",
+                             "learner.micro_batch=1", "learner.epochs_per_batch=2", "learner.max_staleness=1000",
+                             "learner.checkpoint_every=2", "learner.keep_weights=1", "learner.total_updates=4",
+                             "infra.reclaim_idle_ms=1500"])
+    killed: dict = {}
+
+    def kill_inside_update_3() -> None:
+        path, end = run_dir / "learner_inflight.json", time.monotonic() + 600
+        while time.monotonic() < end:
+            try:
+                d = json.loads(path.read_text())
+            except (OSError, ValueError):
+                d = {}
+            pids = _rank_pids()
+            if d.get("update", 0) >= 3 and pids:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.update(update=d["update"], inside=bool(d.get("entries")), pid=pids[0])
+                return
+            time.sleep(0.003)
+
+    killer = threading.Thread(target=kill_inside_update_3, daemon=True)
+    killer.start()
+    summary = await train(cfg, name, evaluate=False)
+    killer.join(5)
+    print(f"\nRANK KILL {json.dumps({**killed, **{k: summary[k] for k in ('updates', 'updates_undone', 'trajectories_redelivered')}})}")
+    assert killed.get("update") == 3, killed
+    assert summary["updates"] == 4 and summary["weight_version"] == 4
+    assert summary["updates_undone"] == {"RankFailure": 1}
+    assert [r["version"] for r in summary["history"]][-2:] == [3, 4]
+    figures = account(redis_url, f"dreamgym:{name}", run_dir)
+    print(f"RANK KILL account {json.dumps(figures)}")
+    assert figures["lost"] == 0 and figures["updates"] == 4
+    assert figures["trained"] == 4 * 4  # PPO, 2 groups x 2 per update, each trained once into the lineage
+    assert summary["trajectories_trained"] == 4 * 4
+    assert killed["pid"] not in _rank_pids() and len(_rank_pids()) == 0  # the new rank 1 ended with the run
+    assert not dist.is_initialized()
