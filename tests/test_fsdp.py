@@ -287,3 +287,40 @@ async def test_a_rank_killed_mid_update_the_run_goes_on_from_its_checkpoint_with
     assert summary["trajectories_trained"] == 4 * 4
     assert killed["pid"] not in _rank_pids() and len(_rank_pids()) == 0  # the new rank 1 ended with the run
     assert not dist.is_initialized()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ranks_as_ray_actors_make_the_single_process_update(tiny, tiny_model_dir):
+    """The Ray launcher (infra/run/cluster/learner_ranks.py, what a learner actor uses): rank 1 is a Ray
+    actor, rank 0 this process; one GRPO update gives the single-process weights, and a rank whose actor
+    process is killed makes the next call a RankFailure naming it."""
+    from infra.run.cluster.learner_ranks import RayRanks, rank_options
+    from infra.run.cluster.runtime import init_ray, shutdown_ray
+
+    model, tok = tiny
+    batch = units(tok, "grpo")
+    cfg = _cfg("grpo", minibatches=2, lr=1e-2, num_gpus=2)
+    ref = PolicyModel(model=copy.deepcopy(model), tokenizer=tok)
+    apply_update(ref, new_optimizer(ref, cfg), cfg, batch, version=0)
+    want = ckpt.trainable_state_dict(ref)
+
+    init_ray(num_cpus=2, memory_bytes=2 * 1024 ** 3, object_store_bytes=128 * 1024 ** 2)
+    try:
+        launcher = RayRanks(rank_options(cfg))
+        policy = PolicyModel.for_learner(cfg, str(tiny_model_dir), Precision())
+        ranks = Ranks.start(cfg, str(tiny_model_dir), policy, launcher)
+        try:
+            opt = new_optimizer(policy, cfg)
+            assert ranks.update(policy, opt, cfg, batch, 0).trajectories == 6
+            got, _ = ranks.state(opt)
+            os.kill(launcher.pids()[1], signal.SIGKILL)
+            with pytest.raises(RankFailure, match="rank 1 exited"):
+                ranks.update(policy, opt, cfg, batch, 1)
+        finally:
+            ranks.close()
+    finally:
+        shutdown_ray()
+    assert got.keys() == want.keys() and len(want) > 10
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=1e-5, msg=name)

@@ -8,7 +8,9 @@ process: its Redis client (the run's URL, password included, and `infra.redis_tl
 the trajectory-stream consumer and the weight publisher's EngineClient to the policy
 engines. Weights flow as they do with the learner in the driver: safetensors under
 `infra.run_dir` (which must be the same shared path on every node), then
-`/update_weights_from_disk` on every policy engine.
+`/update_weights_from_disk` on every policy engine. With `learner.num_gpus` = N > 1 this
+actor is rank 0 and starts the other ranks as actors by the same label
+(infra/run/cluster/learner_ranks.py).
 
 `LearnerHandle` is the driver's view of the actor with the Learner methods and counters
 `dreamgym train` uses, so the driver's loop (`infra/run/driver.rl_phase`) is the same
@@ -29,6 +31,7 @@ import ray
 
 from infra.config import Config
 from infra.engine.client import EngineClient
+from infra.run.cluster.learner_ranks import RayRanks, rank_options
 from infra.run.cluster.runtime import serve_actor_metrics
 from infra.schema import EnvKind
 from infra.streams import connect
@@ -42,7 +45,7 @@ class LearnerActor:
                  policy_urls: list[str]):
         self.engines = EngineClient.from_config(cfg.engines, policy_urls, role="policy")
         self.learner = stream_learner(cfg, connect(redis_url, cfg.infra.redis_tls_ca), prefix, run_dir,
-                                      self.engines, policy_model)
+                                      self.engines, policy_model, RayRanks(rank_options(cfg.learner)))
 
     async def ready(self) -> dict:
         """The consumer group exists and the model is loaded; the counters the driver shows."""
