@@ -357,8 +357,9 @@ class RolloutWorker:
                                   done=s.done, source="synthetic", episode_id=t.trajectory_id,
                                   policy_version=t.policy_version)
                        for t in trajs if t.status != Status.SIM_ERROR for s in t.steps
-                       # a real transition the buffer already holds; an invalid reply, which Mexp never saw
-                       if s.reasoning_source != REPLAYED and not s.invalid_reason]
+                       # a real transition the buffer already holds; an invalid reply, or an action the synthetic
+                       # environment refused (free text its grammar rules out), which Mexp never saw
+                       if s.reasoning_source != REPLAYED and not s.invalid_reason and s.valid]
         if transitions:
             try:
                 await _maybe_await(self.buffer.add(transitions))  # type: ignore[union-attr]

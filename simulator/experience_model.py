@@ -25,6 +25,11 @@ Departures from the paper:
   ("drop cloak" under "Inventory: nothing") are dropped, the ones the world always offers and
   Mexp left out ("drop X" for each thing carried) are added, and a state left with none is
   re-sampled like an unparseable one.
+- Free text (generate mode's `actors.free_text_actions`): an action the state does not list
+  reaches `step` as written; the same grammar first says whether the game would refuse it
+  (`refusal`: a verb it does not know, a command the description rules out, answered by the
+  synthetic environment as an invalid step without a request), and otherwise Mexp writes what it
+  does, its next state checked as any other. A family without a grammar leaves it all to Mexp.
 - `cfg.reply_memo`: a greedy request identical to an earlier one is answered with that one's
   reply, not generated again (simulator/reply_memo.py).
 - `cfg.reward_check`: a reward of 1 that the reply's own reasoning contradicts (its to-do check
@@ -42,7 +47,7 @@ import logging
 from typing import Any, Sequence
 
 from actors.envs.base import AbstractState, SimulationError
-from actors.envs.registry import action_grammar
+from actors.envs.registry import action_grammar, command_refusal
 from infra import metrics
 from infra.config import SimulatorConfig
 from infra.schema import Task
@@ -89,6 +94,12 @@ class ExperienceModel:
         msgs = prompts.step_messages(task, history, retrieved, state, action, reasoning=self.cfg.reasoning,
                                      history_window=self.cfg.history_window, state_chars=self.cfg.state_chars)
         return prompts.render(self.tokenizer, msgs, prompts.prefill(self.cfg.reasoning))
+
+    def refusal(self, task: Task, state: str, action: str) -> str:
+        """Why the task family's grammar refuses the free-text `action` in `state` ("" = Mexp is asked what
+        it does; always "" with `cfg.action_check` off or a family without a grammar)."""
+        check = command_refusal(task.family) if self.cfg.action_check else None
+        return check(state, action) if check is not None else ""
 
     async def step(self, task: Task, history: Sequence[Any], state: str, action: str,
                    episode_id: str) -> MexpOutput:

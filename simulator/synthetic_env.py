@@ -8,7 +8,11 @@ and ends the episode at `max_steps` (done, `info["truncated"]`).
 An action that is not one of the current state's candidates is answered without
 calling Mexp: the unchanged state prefixed with "Invalid action", reward 0,
 `info["valid"] = False`, as a real environment would (and counted the same way,
-`rollout_invalid_actions_total`). `[n]` picks item n.
+`rollout_invalid_actions_total`). `[n]` picks item n. With `free_text` (the run's
+`actors.free_text_actions`: generate mode's unmatched actions, as written), such an action goes
+to Mexp instead, unless the family's grammar refuses it there (`ExperienceModel.refusal`: TextWorld's
+parser has no such verb, or the state's own description rules it out: then it is invalid as above,
+and Mexp is not asked); `info["free_text"]` marks the step.
 A step that replayed a real transition (simulator.replay_real) is marked
 `info["reasoning_source"] = "replay"`, so the worker does not write it back as synthetic.
 A step whose Mexp output is rejected after the retry budget raises
@@ -39,13 +43,12 @@ def _type_values(task: Task) -> list[str]:
 class SyntheticEnv:
     """Environment interface over an ExperienceModel."""
 
-    # generate mode: `step` answers any action outside the candidates as invalid without asking Mexp,
-    # so free text is not taken here (the policy records it as 'not_admissible' instead)
-    accepts_free_text = False
-
-    def __init__(self, mexp: ExperienceModel, max_steps: int = 8, on_reject: str = "raise") -> None:
+    def __init__(self, mexp: ExperienceModel, max_steps: int = 8, on_reject: str = "raise",
+                 free_text: bool = False) -> None:
         if on_reject not in ("raise", "end"):
             raise ValueError(f"on_reject must be 'raise' or 'end', got {on_reject!r}")
+        # the episode loop hands an unmatched generate-mode action to an env that says it takes free text
+        self.accepts_free_text = free_text
         self.mexp = mexp
         self.max_steps = max_steps
         self.on_reject = on_reject
@@ -87,14 +90,19 @@ class SyntheticEnv:
         if self.done:
             return StepResult(self.state, 0.0, True, self._info(valid=False, reason="episode is over"))
         info = self._info()
-        chosen = self._resolve(action if isinstance(action, str) else "", info["candidates"])
+        text = action.strip() if isinstance(action, str) else ""
+        chosen = self._resolve(text, info["candidates"])
+        why, free = "not one of the available actions", False
+        if chosen is None and self.accepts_free_text and text and not text.startswith("["):
+            why = self.mexp.refusal(self.task, self.state, text)
+            chosen, free = (None, False) if why else (text, True)
         self.steps += 1
         truncated = self.steps >= self.max_steps
         if chosen is None:
             ROLLOUT_INVALID_ACTIONS.labels(env_kind="synthetic").inc()
             self.done = truncated
-            obs = invalid_observation(self.state, str(action), "not one of the available actions")
-            return StepResult(obs, 0.0, truncated, {**info, "valid": False, "truncated": truncated})
+            obs = invalid_observation(self.state, str(action), why)
+            return StepResult(obs, 0.0, truncated, {**info, "valid": False, "truncated": truncated, "reason": why})
         try:
             out = await self.mexp.step(self.task, self.history, self.state, chosen, self.episode_id)
         except MexpRejected as exc:
@@ -108,7 +116,8 @@ class SyntheticEnv:
         won = out.done and out.reward >= 1.0
         return StepResult(self.state, float(out.reward), self.done,
                           self._info(won=won, truncated=truncated and not out.done, reasoning=out.reasoning,
-                                     reasoning_source=REPLAYED if out.replayed else "mexp"))
+                                     reasoning_source=REPLAYED if out.replayed else "mexp",
+                                     **({"free_text": True} if free else {})))
 
     async def close(self) -> None:
         self.done = True

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from actors.envs.base import AbstractState
 from actors.episode import run_episode
 from actors.generate_mode import chat_delta_text, expert_reply, expert_turns, system_prompt, user_message
 from actors.policy import Policy
@@ -231,7 +232,7 @@ async def test_in_dreamgym_mexp_gets_the_matched_action_and_never_an_invalid_rep
     replies = [("<action>Climb  Up.</action>", "stop", False), ("<action>jump</action>", "stop", False),
                ("<think>again</think><action>\"climb up\"</action>", "stop", False)]
     task = Task(task_id="s1", instruction="climb", initial_state=rung[0])
-    pol = policy(CannedClient(tok, replies), tok, free_text_actions=True)  # the synthetic env takes no free text
+    pol = policy(CannedClient(tok, replies), tok, free_text_actions=True)  # an env built without free_text
 
     async def choose(task, state, candidates, history):
         return await pol.act(task, state, candidates, history, task.task_id)
@@ -241,6 +242,86 @@ async def test_in_dreamgym_mexp_gets_the_matched_action_and_never_an_invalid_rep
         [("climb up", ""), ("", NOT_ADMISSIBLE), ("climb up", "")]
     assert len(mexp.prompts) == 2 and all("jump" not in p for p in mexp.prompts)
     assert traj.steps[0].reasoning == "moved" and traj.steps[1].next_state == traj.steps[1].state
+
+
+CELLAR = ("Goal: open the safe\nRoom: cellar\nYou see: safe (closed)\nExits: north to shower\nInventory: nothing\n"
+          "Actions:\n[1] go north\n[2] open safe")  # TextWorld's rendering, which the grammar reads
+FREE = [("<action>dance</action>", "stop", False), ("<action>drop cloak</action>", "stop", False),
+        ("<action>Examine  the safe</action>", "stop", False)]
+
+
+def _free_text_env(client, tok, free_text=True):
+    from infra.config import SimulatorConfig
+    from simulator.experience_model import ExperienceModel
+    from simulator.synthetic_env import SyntheticEnv
+
+    cfg = SimulatorConfig(retrieval=False, parse_retries=0, max_new_tokens=24)
+    return SyntheticEnv(ExperienceModel(client, None, cfg, tok), max_steps=6, free_text=free_text)
+
+
+async def _play_free_text(env, tok, max_steps=3):
+    task = Task(task_id="cellar", instruction="open the safe", family="custom", initial_state=CELLAR)
+    pol = policy(CannedClient(tok, FREE), tok, free_text_actions=True, think=False)
+
+    async def choose(task, state, candidates, history):
+        return await pol.act(task, state, candidates, history, task.task_id)
+
+    return await run_episode(env, task, choose, max_steps, env_kind="synthetic")
+
+
+async def test_free_text_in_dreamgym_reaches_mexp_unless_the_grammar_refuses_it(tok):
+    """actors.free_text_actions in DreamGym: a written action that is no candidate goes to Mexp as written
+    (its prompt holds it; its next state is checked by the grammar as any other), unless TextWorld's grammar
+    refuses it in that state: a verb it does not have ('dance'), or what the description rules out ('drop
+    cloak', nothing carried). Those are invalid steps that Mexp never sees, as the real game refuses them."""
+    from tests.test_experience_model import ScriptedClient
+
+    mexp = ScriptedClient(["the safe is closed</think><state>\nRoom: cellar\nYou see: safe (closed)\n"
+                           "Exits: north to shower\nInventory: nothing\nActions:\n[1] drop cloak\n[2] open safe\n"
+                           "</state><reward>0</reward><done>false"])
+    traj = await _play_free_text(_free_text_env(mexp, tok), tok)
+    assert [(s.action, s.valid, s.invalid_reason) for s in traj.steps] == \
+        [("dance", False, ""), ("drop cloak", False, ""), ("Examine  the safe", True, "")]
+    assert traj.steps[0].next_state.startswith("Invalid action") and traj.steps[1].next_state.endswith(CELLAR)
+    assert len(mexp.prompts) == 1 and "Action: Examine  the safe" in mexp.prompts[0]
+    # Mexp's listed actions were checked: 'drop cloak' ruled out, 'go north' (the exit) added
+    assert AbstractState.parse(traj.steps[2].next_state).items == [(1, "go north"), (2, "open safe")]
+    assert traj.steps[2].reasoning == "the safe is closed"
+    # without free text the synthetic environment refuses all three, and Mexp is never asked
+    mexp = ScriptedClient([])
+    traj = await _play_free_text(_free_text_env(mexp, tok, free_text=False), tok)
+    assert [s.valid for s in traj.steps] == [False] * 3 and mexp.prompts == []
+
+
+@pytest.mark.slow
+@pytest.mark.model
+async def test_free_text_reaches_the_embedded_mexp(tiny_dir):
+    """The same free text against the embedded engine serving the tiny model as Mexp: the two refused
+    actions send no request; the third is the one request, with the action as written in its prompt."""
+    from infra.engine.client import EngineClient
+    from infra.engine.models import load_model
+    from infra.engine.server import start_embedded_engine
+
+    model, tok = load_model(str(tiny_dir))
+    engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=2)
+    try:
+        async with EngineClient([engine.url], role="mexp") as client:
+            class Recording:
+                def __init__(self):
+                    self.prompts = []
+
+                async def generate(self, prompt=None, **kw):
+                    self.prompts.append(prompt)
+                    return await client.generate(prompt, **kw)
+
+            rec = Recording()
+            traj = await _play_free_text(_free_text_env(rec, tok), tok)
+    finally:
+        await engine.stop()
+    assert [s.action for s in traj.steps[:2]] == ["dance", "drop cloak"] and not any(s.valid for s in traj.steps[:2])
+    assert len(rec.prompts) == 1 and "Action: Examine  the safe" in rec.prompts[0]
+    # the random tiny Mexp writes no parseable state: the episode ends as sim_error, or with its step
+    assert traj.status == Status.SIM_ERROR or traj.steps[2].action == "Examine  the safe"
 
 
 async def test_a_rollout_worker_survives_any_reply_and_counts_it(tok, redis_url):

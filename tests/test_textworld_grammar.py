@@ -9,9 +9,9 @@ import random
 import pytest
 
 from actors.envs.base import AbstractState
-from actors.envs.registry import action_grammar
+from actors.envs.registry import action_grammar, command_refusal
 from actors.envs.textworld_env import TextWorldEnv
-from actors.envs.textworld_grammar import consistent_actions, implied, ruled_out
+from actors.envs.textworld_grammar import consistent_actions, implied, refusal, ruled_out
 from tests.test_envs_textworld import tw_splits_for
 
 # The 135M Mexp's failure the check exists for (2026-11-26, onpolicy_fidelity): the inventory
@@ -74,6 +74,19 @@ def test_a_state_implies_what_the_world_always_offers_and_the_list_is_made_consi
 def test_the_registry_gives_the_grammar_to_textworld_families_only():
     assert action_grammar("custom") is consistent_actions and action_grammar("tw-cooking-1") is consistent_actions
     assert action_grammar("miniwob/click-button") is None and action_grammar("no-such-family") is None
+    assert command_refusal("custom") is refusal and command_refusal("tw-cooking-1") is refusal
+    assert command_refusal("miniwob/click-button") is None and command_refusal("no-such-family") is None
+
+
+def test_free_text_is_refused_when_the_parser_has_no_such_verb_or_the_state_rules_it_out():
+    assert refusal(SYNTHETIC, "dance with the chair") == "not a command"
+    assert refusal(SYNTHETIC, "") == "not a command"
+    for ruled in ("drop Advent Calendar", "go west", "take lamp", "close chest", "Unlock  chest with key"):
+        assert refusal(SYNTHETIC, ruled) == "ruled out by the state", ruled
+    for fine in ("examine chest", "look", "inventory", "open chest", "Take key from box", "go north", "take chair"):
+        assert refusal(SYNTHETIC, fine) == "", fine
+    # a state that is not TextWorld's rendering: only the verb is checked
+    assert refusal("Page: login", "drop table") == "" and refusal("Page: login", "click [1]") == "not a command"
 
 
 @pytest.mark.slow
@@ -89,6 +102,7 @@ async def test_a_real_state_rules_out_nothing_and_lists_everything_it_implies(tm
                     listed = _actions(state)
                     assert ruled_out(state, listed) == [] and set(implied(state)) <= set(listed), state
                     assert consistent_actions(state, listed) == listed
+                    assert [a for a in listed if refusal(state, a)] == []  # a listed command is free text the game takes
                     checked += 1
                     res = await env.step(rng.choice(info["candidates"]))
                     state, info = res.state, res.info

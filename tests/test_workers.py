@@ -31,6 +31,10 @@ def test_synthetic_envs_share_one_experience_model_built_on_first_use():
     a, b = envs(), envs()
     assert isinstance(a, SyntheticEnv) and a is not b and a.mexp is b.mexp is built[0] and a.max_steps == 5
     assert len(built) == 1
+    # generate mode's free text reaches Mexp only when the run asks for it (actors.free_text_actions)
+    assert not a.accepts_free_text
+    cfg.actors.free_text_actions = True
+    assert make_env_factory(cfg, experience_model)().accepts_free_text
 
 
 def test_real_envs_are_the_configured_family_and_never_build_an_experience_model():

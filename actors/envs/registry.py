@@ -1,7 +1,8 @@
 """Which environment and which task set a family name means.
 
 Owns the mapping from a family name to an Environment (`make_env`), to its task splits
-(`load_or_make_splits`) and to the check of its states' action lists (`action_grammar`).
+(`load_or_make_splits`) and to the checks of its states' action lists (`action_grammar`) and
+of a free-text command (`command_refusal`).
 Family names: "textworld" (or any tw-make family such as "tw-cooking-2", "custom"),
 "miniwob" (or "miniwob/<task>"), "alfworld" (or "alfworld/<task type>") and "browsergym"
 (or "browsergym/<env id>": MiniWoB++, or WebArena with the user's servers, through
@@ -52,6 +53,7 @@ from actors.envs.env_process import EnvProcess
 from actors.envs.miniwob_env import MiniWoBEnv, make_miniwob_tasks
 from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
 from actors.envs.textworld_grammar import consistent_actions as textworld_actions
+from actors.envs.textworld_grammar import refusal as textworld_refusal
 from actors.envs.textworld_env import tasks_from_games as textworld_tasks
 from infra.config import BUILTIN_FAMILIES, ENV_ENTRY_POINTS, ConfigError
 
@@ -183,6 +185,17 @@ def action_grammar(family: str) -> Callable[[str, list[str]], list[str]] | None:
     except ValueError:
         return None
     return textworld_actions if kind == "textworld" else None
+
+
+def command_refusal(family: str) -> Callable[[str, str], str] | None:
+    """The check `(state, a free-text action) -> why the family's grammar refuses it there ("" = it does
+    not)` of a family with a command grammar (TextWorld: actors/envs/textworld_grammar.py `refusal`);
+    None for the others, whose free text only the environment (or Mexp) can judge."""
+    try:
+        kind = _builtin_kind(family)
+    except ValueError:
+        return None
+    return textworld_refusal if kind == "textworld" else None
 
 
 def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: int = 0, rebuild: bool = False,

@@ -15,6 +15,9 @@ Owns two reads of an abstract state as `render_state` writes it (actors/envs/tex
   supporters, containers, food or keys.)
 
 `consistent_actions` applies both and sorts, as TextWorld lists its commands.
+`refusal(state, action)`: why TextWorld would refuse a command written as free text in that world
+(generate mode's `actors.free_text_actions`, in DreamGym): a verb its grammar does not have, or a
+command the description rules out; "" when only the game (here: Mexp) can say what it does.
 
 It exists for synthetic states. A real state is consistent by construction (tests check, on
 the states of real games, that nothing is ruled out and everything implied is listed); the
@@ -102,6 +105,23 @@ _RULES = [  # (pattern, check(world, groups) -> True when the command fits the w
     (re.compile(r"^close (.+)$"), lambda w, g: g[0] in w.here and not w.here[g[0]] & {"closed", "locked"}),
     (re.compile(r"^(?:unlock|lock) (.+) with (.+)$"), lambda w, g: g[0] in w.here and g[1] in w.inventory),
 ]
+
+
+# every command form of TextWorld's grammars (its logic files' command templates, the cooking games' too)
+_COMMAND = re.compile(r"^(look|inventory|goal|wait|prepare meal|examine .+|go \w+|go to .+|take .+|drop .+|eat .+|"
+                      r"drink .+|put .+ on .+|insert .+ into .+|open .+|close .+|(?:un)?lock .+ with .+|"
+                      r"(?:cook|chop|dice|slice) .+ with .+)$")
+
+
+def refusal(state: str, action: str) -> str:
+    """Why TextWorld would refuse `action` (free text, not one of the listed commands) in the world
+    `state` describes: "not a command" (no verb of its grammar), "ruled out by the state" (`ruled_out`;
+    only for a state in TextWorld's rendering); "" when the grammar allows it."""
+    a = " ".join(str(action).lower().split())
+    if not _COMMAND.match(a):
+        return "not a command"
+    world = _World(state)
+    return "ruled out by the state" if world.parsed and _ruled_out(world, [a]) else ""
 
 
 def implied(state: str) -> list[str]:

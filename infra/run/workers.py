@@ -76,7 +76,8 @@ def make_policy(cfg: Config, policy_client: Any, tokenizer: Any, worker_id: str)
 
 def make_env_factory(cfg: Config, experience_model: Callable[[], Any]) -> EnvFactory:
     """Fresh environments for the workers of one process: synthetic ones share one ExperienceModel,
-    built by `experience_model()` on first use; real ones are `actors.env_family` environments."""
+    built by `experience_model()` on first use, and take free text with `actors.free_text_actions`;
+    real ones are `actors.env_family` environments."""
     if cfg.actors.env_kind != "synthetic":
         # one Isolation per process: its EnvProcesses share the crash book that refuses a task crashing again and again
         return functools.partial(make_env, cfg.actors.env_family, isolation=Isolation.from_config(cfg.actors),
@@ -87,7 +88,7 @@ def make_env_factory(cfg: Config, experience_model: Callable[[], Any]) -> EnvFac
         nonlocal mexp
         if mexp is None:
             mexp = experience_model()
-        return SyntheticEnv(mexp, cfg.simulator.max_steps)
+        return SyntheticEnv(mexp, cfg.simulator.max_steps, free_text=cfg.actors.free_text_actions)
     return synthetic
 
 
