@@ -34,7 +34,8 @@ import itertools
 import os
 import socket
 import tempfile
-from typing import Any
+import threading
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import torch
@@ -90,6 +91,30 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """`fn(*args)` in a daemon thread of its own, as a future of this loop: a collective left blocked by a
+    failed peer ends at the group's timeout without holding up the loop's executor or the process's exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome: Callable[[], Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(lambda: future.done() or outcome())
+        except RuntimeError:  # the loop has closed: nobody waits for this any more
+            pass
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (handed to the awaiting side)
+            settle(lambda: future.set_exception(exc))
+        else:
+            settle(lambda: future.set_result(result))
+
+    threading.Thread(target=run, name=f"weight-sync-{fn.__name__}", daemon=True).start()
+    return future
+
+
 class DistributedSync:
     """Publishes versions over a weight-update group with the engines behind `client` (an EngineClient)."""
 
@@ -107,8 +132,7 @@ class DistributedSync:
         names, tensors = list(state), list(state.values())
         announce = asyncio.ensure_future(self.client.update_weights_from_distributed(
             names, [dtype_name(t.dtype) for t in tensors], [list(t.shape) for t in tensors], group.group_name, version))
-        await self._together(announce, asyncio.ensure_future(asyncio.to_thread(group.broadcast_tensors, tensors)),
-                             f"weights v{version}")
+        await self._together(announce, in_daemon_thread(group.broadcast_tensors, tensors), f"weights v{version}")
 
     async def _form(self) -> None:
         host = self.host or reachable_address(self.client.urls)
@@ -116,8 +140,7 @@ class DistributedSync:
         name = f"dreamgym-weights-{os.getpid()}-{next(_groups)}"
         world = 1 + len(self.client.urls)
         invite = asyncio.ensure_future(self.client.init_weights_update_group(host, port, name, self.backend))
-        join = asyncio.ensure_future(asyncio.to_thread(join_sender, host, port, world, name, self.backend,
-                                                       self.timeout_s))
+        join = in_daemon_thread(join_sender, host, port, world, name, self.backend, self.timeout_s)
         await self._together(invite, join, f"the weight-update group at {host}:{port}")
         self.group = join.result()
 

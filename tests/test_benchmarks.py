@@ -172,3 +172,11 @@ def test_curriculum_sampling_runs_and_prints_its_ratios():
     assert [line.split()[0] for line in lines[:3]] == ["uniform", "draw", "pass"], out
     assert "groups on variants   0.0" in lines[0]  # the ablation never plays a variant
     assert "pass/draw ratios: groups played" in lines[-1] and "load " in lines[-1]
+
+
+def test_weight_sync_publishes_both_ways_and_prints_the_ratio():
+    """benchmarks/weight_sync.py on the tiny model: a version through the disk and one over the group,
+    each checked as served by a `dreamgym serve` engine process, and the ratio."""
+    out = run_benchmark("weight_sync.py", "--models", "tiny", "--versions", "1", timeout=300)
+    assert "publish time, disk / distributed ratio: tiny " in out.splitlines()[-1], out
+    assert "group formed in" in out and "load " in out

@@ -20,6 +20,8 @@ for (1 s when a 429 names none) and tries again, until `timeout_s` has passed. T
 waits do not count as failures. A 503 without Retry-After (an engine stopping) is a
 failure like a 5xx: the server is marked dead and the request fails over.
 With `api_key` every request carries `Authorization: Bearer <key>` (SGLang's --api-key).
+`init_weights_update_group` and `update_weights_from_distributed` (learner.weight_sync=distributed)
+go to every server, each its own request, with no failover: a weight-update group needs them all.
 
 Prompts are plain text or token ids; callers apply chat templates themselves.
 """

@@ -119,19 +119,31 @@ def receive_tensors(backend, names: list[str], dtypes: list[str], shapes: list[l
 
 
 def loaded_copy(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A copy of `model` with `tensors` (state-dict names) copied in, cast to its dtype and device;
-    ValueError naming the first unknown name or wrong shape (the live model is untouched)."""
+    """A copy of `model` with `tensors` (state-dict names) as its weights, cast to its dtype and device;
+    ValueError naming the first unknown name or wrong shape (the live model is untouched).
+
+    The received tensors become the copy's parameters (deepcopy's memo maps each old parameter to
+    its new one), so a parameter is never copied twice; a weight tied to a sent one (SmolLM2's
+    `lm_head`) is the same parameter and follows it, as in the model loaded from disk."""
     state = model.state_dict()
     for name, t in tensors.items():
         if name not in state:
             raise ValueError(f"the served model has no weight {name!r}")
         if tuple(state[name].shape) != tuple(t.shape):
             raise ValueError(f"{name}: shape {list(t.shape)} sent, the served model has {list(state[name].shape)}")
-    new = copy.deepcopy(model)  # tied weights stay tied: deepcopy keeps shared parameters shared
-    new_state = new.state_dict()
-    with torch.no_grad():
-        for name, t in tensors.items():
-            new_state[name].copy_(t)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    memo: dict[int, Any] = {}
+    for name, t in tensors.items():
+        if name in params:
+            old = params[name]
+            memo[id(old)] = torch.nn.Parameter(t.to(device=old.device, dtype=old.dtype), requires_grad=old.requires_grad)
+    new = copy.deepcopy(model, memo)
+    buffers = [n for n in tensors if n not in params]  # persistent buffers, if a sender names any
+    if buffers:
+        new_state = new.state_dict()
+        with torch.no_grad():
+            for name in buffers:
+                new_state[name].copy_(tensors[name])
     return new.eval()
 
 
