@@ -143,7 +143,7 @@ class EngineConfig:
     health_interval_s: float = _f(5.0, "Client: seconds between health probes of a server marked dead.", POSITIVE)
     dtype: str = _f("float32", "Embedded engine torch dtype.", _one_of("float32", "bfloat16", "float16"))
     device: str = _f("cpu", "Embedded engine torch device: 'cpu', 'cuda' or 'cuda:N'.", DEVICE)
-    sglang_tp_size: int = _f(1, "SGLang launcher: tensor-parallel size.", POSITIVE)
+    sglang_tp_size: int = _f(1, "SGLang launcher: tensor-parallel size. With learner.weight_sync=distributed also the size of the listed policy servers: the weight-update group counts one rank per GPU of each.", POSITIVE)
     sglang_mem_fraction: float = _f(0.85, "SGLang launcher: --mem-fraction-static.", UNIT)
     sglang_port: int = _f(30000, "SGLang launcher: first port to serve on.", (lambda v: 1 <= v <= 65535, "a port in [1, 65535]"))
     sglang_extra_args: list = _f([], "SGLang launcher: extra launch_server flags, e.g. ['--enable-deterministic-inference'].")

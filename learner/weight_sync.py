@@ -119,8 +119,9 @@ class DistributedSync:
     """Publishes versions over a weight-update group with the engines behind `client` (an EngineClient)."""
 
     def __init__(self, client: Any, *, backend: str = "gloo", host: str = "", timeout_s: float = 300.0,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", ranks_per_server: int = 1):
         self.client, self.backend, self.host, self.timeout_s, self.dtype = client, backend, host, timeout_s, dtype
+        self.ranks_per_server = ranks_per_server  # an SGLang server joins one rank per tensor-parallel GPU
         self.group: SenderGroup | None = None
 
     async def send(self, policy: Any, version: int) -> None:
@@ -138,8 +139,9 @@ class DistributedSync:
         host = self.host or reachable_address(self.client.urls)
         port = free_port(host)
         name = f"dreamgym-weights-{os.getpid()}-{next(_groups)}"
-        world = 1 + len(self.client.urls)
-        invite = asyncio.ensure_future(self.client.init_weights_update_group(host, port, name, self.backend))
+        world = 1 + len(self.client.urls) * self.ranks_per_server
+        invite = asyncio.ensure_future(self.client.init_weights_update_group(host, port, name, self.backend,
+                                                                             self.ranks_per_server))
         join = in_daemon_thread(join_sender, host, port, world, name, self.backend, self.timeout_s)
         await self._together(invite, join, f"the weight-update group at {host}:{port}")
         self.group = join.result()
@@ -173,5 +175,7 @@ def distributed_sync(cfg: Config, policy_engines: Any, dtype: str) -> Distribute
         return None
     backend = lc.weight_sync_backend if lc.weight_sync_backend != "auto" else \
         ("nccl" if lc.device.startswith("cuda") else "gloo")
-    return DistributedSync(policy_engines, backend=backend, host=lc.weight_sync_host,
-                           timeout_s=cfg.engines.request_timeout_s, dtype=dtype)
+    e = cfg.engines
+    sglang = bool(e.policy_endpoints) or e.launch == "sglang"  # listed servers: SGLang, or `dreamgym serve` (TP 1)
+    return DistributedSync(policy_engines, backend=backend, host=lc.weight_sync_host, timeout_s=e.request_timeout_s,
+                           dtype=dtype, ranks_per_server=e.sglang_tp_size if sglang else 1)

@@ -295,11 +295,14 @@ async def test_client_weight_group_requests_conform_to_sglang():
             await client.init_weights_update_group("10.0.0.5", 29500, "dreamgym-weights-1", "nccl")
             await client.update_weights_from_distributed(["model.norm.weight", "lm_head.weight"], ["bfloat16", "float32"],
                                                          [[576], [49152, 576]], "dreamgym-weights-1", 7)
+            # servers of 2 GPUs each (tensor parallel): SGLang joins at rank_offset + tp_rank
+            await client.init_weights_update_group("10.0.0.5", 29501, "dreamgym-weights-2", "nccl", ranks_per_server=2)
     finally:
         await r1.cleanup()
         await r2.cleanup()
+    assert [(b["rank_offset"], b["world_size"]) for b in (seen1[2][1], seen2[2][1])] == [(1, 5), (3, 5)]
     for seen, rank in ((seen1, 1), (seen2, 2)):
-        (init_path, init), (upd_path, upd) = seen
+        (init_path, init), (upd_path, upd) = seen[:2]
         assert init_path == "init_weights_update_group" and upd_path == "update_weights_from_distributed"
         assert init == {"master_address": "10.0.0.5", "master_port": 29500, "rank_offset": rank, "world_size": 3,
                         "group_name": "dreamgym-weights-1", "backend": "nccl"}

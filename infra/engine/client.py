@@ -355,13 +355,14 @@ class EngineClient:
             raise EngineRequestError(r.status, f"{s.url}: weight update to {path} refused: {body.get('message', body)}")
 
     async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
-                                        backend: str) -> None:
-        """SGLang's `/init_weights_update_group` on every server: the caller is rank 0 of 1 + N, server i
-        rank i + 1. Each answer comes once the group has formed, so the caller joins meanwhile.
+                                        backend: str, ranks_per_server: int = 1) -> None:
+        """SGLang's `/init_weights_update_group` on every server: the caller is rank 0 of 1 + N x R, server i
+        ranks 1 + i x R .. (R = `ranks_per_server`: SGLang joins one rank per tensor-parallel GPU, at
+        rank_offset + tp_rank). Each answer comes once the group has formed, so the caller joins meanwhile.
         Raises EngineError if a server did not join (the group cannot form without it)."""
-        world = 1 + len(self.servers)
+        world = 1 + len(self.servers) * ranks_per_server
         await self._each("/init_weights_update_group", [
-            {"master_address": master_address, "master_port": int(master_port), "rank_offset": i + 1,
+            {"master_address": master_address, "master_port": int(master_port), "rank_offset": 1 + i * ranks_per_server,
              "world_size": world, "group_name": group_name, "backend": backend} for i in range(len(self.servers))])
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
