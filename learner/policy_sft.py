@@ -42,7 +42,7 @@ from actors.dataset import offline_settings, read_trajectories, trajectories_pat
 from actors.envs.base import AbstractState, StateFormatError, candidate_actions
 from actors.generate_mode import expert_reply, expert_turns
 from actors.policy import MAX_CHAT_CHARS, MAX_CHOICES, PROMPT_FORMAT, PolicyDecision, choice_turn, score_turn
-from infra.config import LearnerConfig, add_config_arguments, config_from_args, section_settings, settings_key
+from infra.config import ActorsConfig, LearnerConfig, add_config_arguments, config_from_args, section_settings, settings_key
 from infra.engine.models import load_tokenizer
 from infra.schema import Task, Trajectory
 from learner.policy_model import PolicyModel
@@ -401,13 +401,32 @@ BEST_ONLY = ("warm_start_max_steps", "warm_start_eval_every", "warm_start_patien
              "warm_start_val_min_tasks", "warm_start_val_max_steps")  # settings only learner.warm_start=best reads
 
 
-def cache_settings(cfg: LearnerConfig, model: str, offline_key: str, seed: int, multi_turn: bool = False,
-                   action_mode: str = "label", think: bool = True, val_episode_steps: int = 0) -> dict:
+def actor_settings(actors: Any, best: bool = False) -> dict:
+    """What of the policy's config (`actors`) shapes a warm start: its examples are laid out as the
+    worker prompts (the mode, the chat; generate mode: the reply format, the chat's character and token
+    bounds and the reply budget, which decide where a chat restarts), and in 'best' mode its validation
+    episodes are played by that worker (generate mode: free text too). Label mode's chat bound counts
+    only off its default, so the caches written before it was keyed still count."""
+    out: dict = {**({"prompt_mode": "multi_turn"} if actors.multi_turn else {}),
+                 **({"action_mode": actors.action_mode} if actors.action_mode != "label" else {})}
+    if actors.action_mode == "generate":
+        out.update(think=actors.think, chat_max_chars=actors.chat_max_chars, chat_max_tokens=actors.chat_max_tokens,
+                   max_reply_tokens=actors.max_reply_tokens)
+        if best:
+            out["free_text_actions"] = actors.free_text_actions
+    elif actors.multi_turn and actors.action_mode == "label" and actors.chat_max_chars != MAX_CHAT_CHARS:
+        out["chat_max_chars"] = actors.chat_max_chars
+    return out
+
+
+def cache_settings(cfg: LearnerConfig, model: str, offline_key: str, seed: int, actors: Any = None,
+                   val_episode_steps: int = 0) -> dict:
     """What a cached warm-started policy depends on; the driver keys its cache directory by it.
     The device does not shape the weights (beyond float rounding); bf16 compute does, and float32,
     the default, stays out of the key so the caches written before `learner.dtype` existed still count.
     So do the early-stopping settings in 'fixed' mode. In 'best' mode the fixed step count does not
-    count, and the validation episodes' step cap (`val_episode_steps`) does; in generate mode, `think`."""
+    count, and the validation episodes' step cap (`val_episode_steps`) does. `actors` (the policy's
+    config, default ActorsConfig()): `actor_settings`."""
     warm = section_settings(cfg, ("lora_rank",), prefixes=("warm_start_",))
     if cfg.warm_start == "best":
         warm = {k: v for k, v in warm.items() if k != "warm_start_steps"}
@@ -415,9 +434,7 @@ def cache_settings(cfg: LearnerConfig, model: str, offline_key: str, seed: int, 
     else:
         warm = {k: v for k, v in warm.items() if k not in BEST_ONLY}
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": PROMPT_FORMAT,
-            **({"prompt_mode": "multi_turn"} if multi_turn else {}),
-            **({"action_mode": action_mode} if action_mode != "label" else {}),
-            **({"think": think} if action_mode == "generate" else {}),
+            **actor_settings(actors if actors is not None else ActorsConfig(), cfg.warm_start == "best"),
             **({"dtype": cfg.dtype} if cfg.dtype != "float32" else {}),
             **warm}
 
@@ -427,6 +444,6 @@ def cache_dir(cfg: Any) -> Path:
     whole config `cfg`: `<data_dir>/policy-warm/<family>-<key of cache_settings>`."""
     family = cfg.actors.env_family
     offline = settings_key(offline_settings(family, cfg.data, cfg.infra.seed))
-    key = settings_key(cache_settings(cfg.learner, cfg.engines.model, offline, cfg.infra.seed, cfg.actors.multi_turn,
-                                      cfg.actors.action_mode, cfg.actors.think, episode_cap(cfg)))
+    key = settings_key(cache_settings(cfg.learner, cfg.engines.model, offline, cfg.infra.seed, cfg.actors,
+                                      episode_cap(cfg)))
     return Path(cfg.infra.data_dir) / "policy-warm" / f"{family}-{key}"

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from actors.generate_mode import expert_reply, next_turn
-from infra.config import Config, LearnerConfig
+from infra.config import ActorsConfig, Config, LearnerConfig, load_config
 from infra.schema import Step, Task, Trajectory
-from learner.policy_sft import cache_settings, expert_chats
+from learner.policy_sft import cache_dir, cache_settings, expert_chats
 from learner.sft_validation import CurvePoint, best_index, should_stop, validation_split
 
 STATE_A = "Room: Kitchen. You see a table with a coin.\nInventory: nothing\nActions:\n[1] go north\n[2] take coin\n[3] open door"
@@ -90,8 +90,34 @@ def test_cache_key_counts_the_early_stopping_settings_only_in_best_mode():
     assert key != cache_settings(dataclasses.replace(best, warm_start_patience=9), "m", "o", 0, val_episode_steps=6)
     assert key != cache_settings(best, "m", "o", 0, val_episode_steps=12)
     assert key == cache_settings(dataclasses.replace(best, warm_start_steps=48), "m", "o", 0, val_episode_steps=6)
-    gen = cache_settings(fixed, "m", "o", 0, True, "generate", think=False)
-    assert gen != cache_settings(fixed, "m", "o", 0, True, "generate", think=True)
+
+
+def test_cache_key_counts_every_policy_setting_that_shapes_the_warm_start():
+    """Generate mode: the reply format and the chat bounds lay out the expert chats (where a chat restarts),
+    so each gives a new cache; in 'best' mode free text changes the validation episodes too. Label mode keeps
+    the key it had unless its chat bound is moved off the default; the device and sampling settings count nowhere."""
+    fixed, best = LearnerConfig(warm_start_steps=8), LearnerConfig(warm_start_steps=8, warm_start="best")
+    gen = ActorsConfig(action_mode="generate", multi_turn=True, think=False, max_reply_tokens=24)
+    key = cache_settings(fixed, "m", "o", 0, gen)
+    for change in ({"think": True}, {"chat_max_chars": 6_000}, {"chat_max_tokens": 1_024}, {"max_reply_tokens": 32}):
+        assert cache_settings(fixed, "m", "o", 0, dataclasses.replace(gen, **change)) != key, change
+    for same in ({"temperature": 0.7}, {"format_penalty": 0.1}, {"free_text_actions": True}, {"num_workers": 9}):
+        assert cache_settings(fixed, "m", "o", 0, dataclasses.replace(gen, **same)) == key, same
+    free = dataclasses.replace(gen, free_text_actions=True)
+    assert cache_settings(best, "m", "o", 0, free, 6) != cache_settings(best, "m", "o", 0, gen, 6)
+    label = ActorsConfig(multi_turn=True)
+    assert cache_settings(fixed, "m", "o", 0, label) == cache_settings(fixed, "m", "o", 0)  # the default policy
+    assert not {"chat_max_chars", "chat_max_tokens", "max_reply_tokens", "think"} & set(cache_settings(fixed, "m", "o", 0))
+    assert cache_settings(fixed, "m", "o", 0, dataclasses.replace(label, chat_max_chars=6_000)) != \
+        cache_settings(fixed, "m", "o", 0, label)
+    score = ActorsConfig(action_mode="score", multi_turn=False)
+    assert cache_settings(fixed, "m", "o", 0, dataclasses.replace(score, chat_max_chars=6_000)) == \
+        cache_settings(fixed, "m", "o", 0, score)  # per-step prompts: no chat to bound
+    # the directory `dreamgym train` reuses, from the whole config as it loads it
+    over = ["learner.warm_start_steps=8", "actors.action_mode=generate", "actors.think=false"]
+    dirs = {cache_dir(load_config(None, over + more)) for more in
+            ([], ["actors.max_reply_tokens=24"], ["actors.chat_max_chars=6000"], ["actors.chat_max_tokens=1024"])}
+    assert len(dirs) == 4
 
 
 def expert_episode(reasoning=("the coin is on the table", "the door leads on")):
