@@ -212,3 +212,50 @@ async def test_status_of_a_starting_worker_has_every_counter(redis_url, ray_loca
         await asyncio.sleep(0.1)
     assert set(starting) - {"starting"} == set(running)  # one status shape, starting or running
     await handle.stop()
+
+
+async def test_a_killed_worker_is_started_again_under_its_id_and_takes_its_task_back(redis_url, ray_local):
+    """kill -9 of a worker actor inside a pool (what benchmarks/chaos.py does): the pool's watch sees its run
+    call fail, starts the worker again under the same id at the next poll, and that consumer reads its own
+    pending task back at once; every task is played, and stopping the pool at the end raises nothing."""
+    client = connect(redis_url)
+    await StreamProducer(client, tasks_stream(PREFIX)).add(
+        [encode(Task(task_id=f"r{i}", instruction="climb")) for i in range(3)])
+    pool = WorkerPool(lambda wid: spawn(redis_url, 0.3, wid), drain_timeout_s=30)
+    stop = asyncio.Event()
+    await pool.scale_to(1)
+    doomed = pool.workers[0]
+    for _ in range(300):
+        if (await doomed.status()).get("inflight"):
+            break
+        await asyncio.sleep(0.05)
+    watcher = asyncio.create_task(pool.watch(client, PREFIX, stop, poll_s=0.2))
+    doomed.kill()  # mid-episode: its task stays pending under consumer w0
+    for _ in range(300):
+        if pool.workers[0] is not doomed:
+            break
+        await asyncio.sleep(0.1)
+    assert pool.workers[0] is not doomed and pool.workers[0].worker_id == "w0" and len(pool) == 1
+    assert any("replaced w0" in e["reason"] for e in pool.history)
+    await wait_groups(client, 3)
+    trajs = await trajectories(client)
+    assert sorted({t.task_id for t in trajs}) == ["r0", "r1", "r2"]
+    stop.set()
+    await watcher
+    await pool.stop_all(drain=False)  # the dead handle is gone from the pool: nothing raises
+    assert len(pool) == 0
+    await client.aclose()
+
+
+async def test_stopping_a_pool_whose_worker_died_raises_nothing(redis_url, ray_local):
+    """A worker killed while no watch runs (the end of a phase): stop_all records it as gone."""
+    pool = WorkerPool(lambda wid: spawn(redis_url, 0.0, wid), drain_timeout_s=30)
+    await pool.scale_to(1)
+    await pool.workers[0].status()  # started
+    pool.workers[0].kill()
+    for _ in range(100):
+        if pool.workers[0].exited():
+            break
+        await asyncio.sleep(0.1)
+    await pool.stop_all(drain=False)
+    assert pool.history[-1]["stopped"][0]["how"] == "gone"

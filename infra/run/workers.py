@@ -13,6 +13,8 @@ and watches a Redis control key (`<prefix>:control:workers`); `dreamgym scale
 Growing spawns workers; shrinking stops the newest ones with drain (they finish their
 in-flight groups) or, past `drain_timeout_s`, hands their tasks back. Nothing is lost
 either way: a task is acked only after its group was pushed (actors/rollout_worker.py).
+A worker whose process dies (kill -9, a lost node) is started again under its id at the
+next poll (`replace_exited`), and reads its own pending tasks back first.
 Every resize is kept in `WorkerPool.history` (when, from how many to how many, why, and
 how each stopped worker ended), which the driver writes into summary.json, and exported
 as `rollout_pool_workers` / `rollout_pool_target_workers` (the workers dashboard).
@@ -104,6 +106,8 @@ class WorkerHandle(Protocol):
 
     async def status(self) -> dict: ...
 
+    def exited(self) -> bool: ...  # its run ended without a stop: the pool starts it again
+
 
 class LocalWorkerHandle:
     """A RolloutWorker running as a task on this process's event loop (quickstart, tests)."""
@@ -119,6 +123,10 @@ class LocalWorkerHandle:
 
     async def status(self) -> dict:
         return self.worker.status()
+
+    def exited(self) -> bool:
+        """Its run loop ended without a stop (it raised)."""
+        return self.task.done()
 
 
 def local_spawner(cfg: Config, client: aioredis.Redis, prefix: str, policy_client: Any, tokenizer: Any,
@@ -184,6 +192,12 @@ class Autoscaler:
 MAX_HISTORY = 1000  # resize events kept per pool (the oldest go first; `history_dropped` counts them)
 
 
+def _exited(h: WorkerHandle) -> bool:
+    """True when the worker's run ended without a stop (handles without `exited` never say so)."""
+    exited = getattr(h, "exited", None)
+    return bool(exited()) if exited is not None else False
+
+
 class WorkerPool:
     """Spawns and retires workers to match a target count, keeping a history of every resize."""
 
@@ -238,6 +252,11 @@ class WorkerPool:
         except asyncio.TimeoutError:
             log.warning("worker %s did not drain in %.0fs; handing its tasks back", h.worker_id, self.drain_timeout_s)
             status, how = await h.stop(drain=False), "handed back"
+        except Exception as exc:  # its process died (kill -9, a lost node): its tasks are reclaimed by the others
+            if not _exited(h):
+                raise
+            log.warning("worker %s was gone already (%s)", h.worker_id, type(exc).__name__)
+            status, how = {"worker_id": h.worker_id}, "gone"
         self.retired.append(status)
         metrics.ROLLOUT_SCALE_EVENTS.labels(direction="down").inc()
         if self.on_stop is not None:
@@ -267,6 +286,31 @@ class WorkerPool:
     async def statuses(self) -> list[dict]:
         return [await h.status() for h in self.workers]
 
+    async def replace_exited(self) -> list[str]:
+        """Start again every worker whose run ended unasked (its process was killed, or its loop raised),
+        under the same id: a consumer of the same name reads its own pending tasks back first, so the
+        killed worker's groups are played again at once, not after the reclaim idle time. Called by
+        `watch` every poll; returns the ids replaced."""
+        async with self._scaling:
+            replaced = []
+            for i, h in enumerate(self.workers):
+                if self.closed or not _exited(h):
+                    continue
+                log.warning("rollout worker %s exited unasked; starting it again", h.worker_id)
+                try:
+                    fresh = self.spawn_fn(h.worker_id)
+                    fresh = await fresh if asyncio.iscoroutine(fresh) else fresh
+                except ValueError:  # the dead actor's name is not released yet: a new id (the others reclaim)
+                    fresh = self.spawn_fn(f"w{self._next}")
+                    self._next += 1
+                    fresh = await fresh if asyncio.iscoroutine(fresh) else fresh
+                self.workers[i] = fresh  # type: ignore[assignment]
+                replaced.append(h.worker_id)
+            if replaced:
+                self._record({"at": round(time.time(), 3), "from": len(self.workers), "to": len(self.workers),
+                              "reason": f"replaced {', '.join(replaced)}: exited unasked"})
+            return replaced
+
     async def watch(self, client: aioredis.Redis, prefix: str, stop_event: asyncio.Event, poll_s: float = 1.0,
                     autoscale: Callable[[int], Awaitable[tuple[int, str]]] | None = None) -> None:
         """Follow the control key (and the autoscale rule, when given) until stop_event. A control key that
@@ -279,6 +323,7 @@ class WorkerPool:
             target = int(raw) if raw is not None else len(self.workers)
             if self.closed:
                 break
+            await self.replace_exited()
             reason = ""
             if target != self.target:
                 reason = f"dreamgym scale --workers {target}"

@@ -4,8 +4,9 @@ The actor builds its own Redis client (the run's URL, password included, and its
 CA), policy and environments inside its process from factories (plain callables
 shipped by Ray when the actor is created), then runs
 actors/rollout_worker.RolloutWorker on the actor's event loop. `stop` and `status`
-calls arrive concurrently with `run` (an async actor). A killed actor simply
-vanishes: its unacked task is reclaimed by another worker (see rollout_worker.py).
+calls arrive concurrently with `run` (an async actor). A killed actor's run call
+fails; the pool (infra/run/workers.py) sees it through `exited()` and starts the worker again
+under its id, which reads its own pending task back (see rollout_worker.py).
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ class RayWorkerHandle:
 
     async def status(self) -> dict:
         return await self.actor.status.remote()
+
+    def exited(self) -> bool:
+        """Its run call has returned: the actor died (kill -9, a lost node) or its loop ended unasked."""
+        ready, _ = ray.wait([self.run_ref], timeout=0)
+        return bool(ready)
 
     def kill(self) -> None:
         """Kill the actor at once, as a node failure would."""
