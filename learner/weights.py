@@ -16,7 +16,9 @@ regimes, `learner.total_updates=0`), the policy it started from, which
 `infra.data_dir`, the base model is a name).
 With a `sync` (`learner.weight_sync=distributed`, learner/weight_sync.py) versions travel
 over a process group instead and nothing is written per version; the last one is saved
-here when training ends (`keep_final`), so `resolve_model` still finds the run's policy.
+here when training ends (`keep_final`), so `resolve_model` still finds the run's policy;
+until then `weights/synced.json` names the version the engines serve, and `resolve_model`
+refuses such a run (ended before its final save) rather than fall back to its start.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from infra import metrics
 log = logging.getLogger(__name__)
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 START_POLICY = "policy.json"  # in a run directory: {"start": the model the run started from}
+SYNCED = "synced.json"  # in a run's weights/: {"version": N} sent over a process group, not written here
 
 
 class WeightSink(Protocol):
@@ -72,6 +75,10 @@ def resolve_model(path: str | Path) -> str:
     versions = published_versions(run_dir)
     if versions:
         return str(version_path(run_dir, versions[-1]))
+    if (weights_dir(run_dir) / SYNCED).is_file():
+        synced = json.loads((weights_dir(run_dir) / SYNCED).read_text())["version"]
+        raise FileNotFoundError(f"{path}: sent weights up to v{synced} over a process group (learner.weight_sync="
+                                f"distributed) and ended before saving the last one; its checkpoints hold them")
     if (run_dir / START_POLICY).is_file():  # no update published: the run evaluated the policy it started from
         start = str(json.loads((run_dir / START_POLICY).read_text())["start"])
         if "/" in start and not Path(start).exists():
@@ -126,6 +133,9 @@ class WeightPublisher:
     async def publish(self, policy: Any, version: int) -> Path:
         if self.sync is not None:
             await self.sync.send(policy, version)
+            marker = weights_dir(self.run_dir) / SYNCED
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"version": version}) + "\n")
             self.last_published = version
             metrics.LEARNER_WEIGHT_VERSION.set(version)
             log.info("published weights v%d over the weight-update group", version)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import aiohttp
 import pytest
@@ -145,3 +146,6 @@ def test_dreamgym_train_publishes_each_version_over_the_group(tiny_run, tmp_path
     final = load_file(next((run / "weights" / "v2").glob("*.safetensors")))
     assert torch.equal(final["model.norm.weight"], sent[2]["model.norm.weight"])
     assert resolve_model(run).endswith("v2")
+    shutil.rmtree(run / "weights" / "v2")  # as if the run had died before its final save
+    with pytest.raises(FileNotFoundError, match="up to v2 over a process group"):
+        resolve_model(run)  # never the policy it started from
