@@ -42,7 +42,14 @@ def ray_local():
     from infra.run.cluster.runtime import init_ray, shutdown_ray
 
     shutdown_ray()
-    init_ray(num_cpus=4, memory_bytes=3 * 1024 ** 3, object_store_bytes=128 * 1024 ** 2)
+    for attempt in range(3):  # Ray gives its raylet 30 s to register, too few on two cores at load 20 and more
+        try:
+            init_ray(num_cpus=4, memory_bytes=3 * 1024 ** 3, object_store_bytes=128 * 1024 ** 2)
+            break
+        except Exception as exc:
+            shutdown_ray()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
     yield
     shutdown_ray()
 
