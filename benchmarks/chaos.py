@@ -40,6 +40,7 @@ import json
 import os
 import random
 import signal
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -111,6 +112,8 @@ class Job:
         return self.seconds if self.deadline is None else self.deadline - time.monotonic()
 
     def start(self) -> None:
+        # On a loaded machine Ray's node start can pass its default wait (the job then exits and is resumed)
+        os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
         # each segment's train budget ends at the soak's deadline (its RL phase starts after its start-up)
         budget = self.seconds if self.deadline is None else max(10.0, self.remaining() - self.startup_s)
         overrides = tiny_overrides(self.work, self.data_dir, self.redis_url, round(budget), "actors.runtime=ray",
@@ -282,6 +285,7 @@ def main() -> int:
     if not roles or any(r not in ROLES for r in roles):
         p.error(f"--roles: choose among {', '.join(ROLES)}")
     quiet = args.quiet_s or max(40.0, args.every / 2)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped soak still ends its job and Redis
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dreamgym-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -361,8 +365,10 @@ def main() -> int:
                 continue
             if next_kill is None:
                 next_kill = now + args.every * rng.uniform(0.5, 1.5)
-            # one kill at a time: the next waits until the last recovered, or is past twice its bound (a violation)
-            busy = any(k.recovered is None and now - k.t < 2 * BOUND_S[k.role] for k in kills)
+            # one kill at a time: the next waits until the last recovered, or is past twice its bound (a violation),
+            # and never hits a job that has not updated since it (re)started: that measures start-up, not recovery
+            busy = any(k.recovered is None and now - k.t < 2 * BOUND_S[k.role] for k in kills) or \
+                last_update <= started_unix
             if now >= next_kill and not busy and job.remaining() > quiet:
                 if not order:
                     order = rng.sample(roles, len(roles))
