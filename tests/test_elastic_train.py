@@ -50,6 +50,7 @@ def ray_local():
             shutdown_ray()
             if attempt == 2 or "timed out during startup" not in str(exc):
                 raise
+            time.sleep(20)  # the failed session's processes exit first
     yield
     shutdown_ray()
 
