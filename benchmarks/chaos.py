@@ -388,7 +388,7 @@ def main() -> int:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     rss = {labels.get(pid, f"?-{pid}"): samples for pid, samples in rss.items()}
-    return report(args, kills, restarts, rss, watch, figures, summary, rc, at())
+    return report(args, kills, restarts, rss, watch, figures, summary, rc, at(), job.startup_s)
 
 
 def chaos_kill(role: str, job: Job, server: EmbeddedRedis) -> Kill:
@@ -411,7 +411,7 @@ def chaos_kill(role: str, job: Job, server: EmbeddedRedis) -> Kill:
 
 
 def report(args: argparse.Namespace, kills: list[Kill], restarts: list[dict], rss: dict, watch: Watch,
-           figures: dict, summary: dict, rc: int | None, elapsed: float) -> int:
+           figures: dict, summary: dict, rc: int | None, elapsed: float, startup_s: float = 0.0) -> int:
     violations = []
     print(f"chaos soak: {elapsed / 60:.1f} min, {len(kills)} kills, {len(restarts)} supervisor restarts, "
           f"last exit {rc}  ({load()} at end)")
@@ -446,15 +446,18 @@ def report(args: argparse.Namespace, kills: list[Kill], restarts: list[dict], rs
     for r in restarts:
         print(f"  supervisor restart at {r['t']} s: {r['why']}")
     # the fit starts after the first quarter of the training time (start-up excluded), and for a process
-    # started later (a resumed job's) after the first quarter of its own samples
+    # started later (a resumed job's) once its own start-up is over (as long as the first one took) and
+    # after the first quarter of its own samples
     trained_from = watch.first_update_at or 0.0
     quarter = trained_from + args.warmup * max(0.0, elapsed - trained_from)
     need = max(60.0, (elapsed - quarter) / 2)
     slopes: dict[str, float] = {}
-    print(f"RSS slopes (MB/min) fitted after the first {args.warmup:.0%} of the training time ({quarter:.0f} s) and of "
-          f"each process's own samples; asserted where the fit spans >= {need:.0f} s:")
+    print(f"RSS slopes (MB/min) fitted after the first {args.warmup:.0%} of the training time ({quarter:.0f} s), a "
+          f"process's start-up ({startup_s:.0f} s) and the first {args.warmup:.0%} of its own samples; asserted where "
+          f"the fit spans >= {need:.0f} s:")
     for label, samples in sorted(rss.items()):
-        own = samples[int(len(samples) * args.warmup):]
+        own = [(t, v) for t, v in samples if t >= samples[0][0] + startup_s]
+        own = own[int(len(own) * args.warmup):]
         fit = [(t, v) for t, v in own if t >= quarter]
         slope = slope_mb_per_min(fit)
         slopes[label] = slope
