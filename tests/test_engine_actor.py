@@ -43,3 +43,37 @@ def test_sglang_actor_is_placed_by_its_role_label():
     assert sglang_actor_options(cfg, "policy")["resources"] == {"policy_gpu": 1}
     # a cluster that does not advertise the label: no resource request (it would never schedule)
     assert "resources" not in sglang_actor_options(cfg, "mexp", {"CPU": 4.0})
+
+
+@pytest.mark.timeout(900)
+async def test_a_killed_engine_actor_is_replaced_on_its_port(ray_runtime, tiny_dir):
+    """kill -9 of the policy engine's actor (benchmarks/chaos.py's `engine`): the supervisor starts a
+    replacement on the same port, so a client that holds the URL is served again without being told."""
+    import asyncio
+    import os
+    import signal
+
+    import ray
+
+    from infra.engine.client import EngineClient
+    from infra.run.cluster.engine_actor import EngineSupervisor, start_role_engine
+
+    cfg = EngineConfig(model=str(tiny_dir), max_batch_size=2)
+    start = lambda port=0: start_role_engine(cfg, "policy", str(tiny_dir), ray.cluster_resources(), port=port)  # noqa: E731
+    actor, url = await asyncio.to_thread(start)
+    keeper = EngineSupervisor(lambda port: start(port), actor, url, poll_s=0.5)
+    keeper.watch()
+    try:
+        os.kill(await actor.__ray_call__.remote(lambda _self: os.getpid()), signal.SIGKILL)
+        for _ in range(1200):  # a new actor process loads torch and the model: seconds, minutes on a loaded machine
+            if keeper.restarts:
+                break
+            await asyncio.sleep(0.5)
+        assert keeper.restarts == 1 and keeper.actor is not actor
+        assert await keeper.actor.url.remote() == url  # the same port
+        async with EngineClient([url], role="test", timeout_s=60) as client:
+            res = await client.generate("hello", sampling_params={"max_new_tokens": 2, "temperature": 0})
+            assert len(res.output_ids) == 2
+    finally:
+        await keeper.aclose()
+        keeper.stop()

@@ -47,7 +47,7 @@ from infra.engine.server import EngineHandle, default_weights_roots, start_embed
 from infra.engine.sglang import SGLangLauncher
 from infra.redis_server import EmbeddedRedis, write_job_record
 from infra.run.artifacts import embedding_cache, say
-from infra.run.cluster.engine_actor import start_role_engine, start_sglang_engine, stop_engine_actor
+from infra.run.cluster.engine_actor import EngineSupervisor, start_role_engine, start_sglang_engine, stop_engine_actor
 from infra.run.cluster.learner_actor import LearnerHandle, spawn_learner
 from infra.run.cluster.rollout_fleet import RolloutFleet, shares_store
 from infra.run.cluster.runtime import (Placements, check_role_labels, driver_node_id, init_ray, kill_actor, on_node,
@@ -194,8 +194,12 @@ class Services:
             roots = default_weights_roots(model, self.cfg.infra.run_dir, e.weights_root, self.cfg.infra.weights_dir)
             if self.cfg.actors.runtime == "ray":  # an engine actor on the role's labelled node
                 local = os.path.abspath(model) if os.path.isdir(model) else model  # the actor's cwd is its node's
-                actor, url = await asyncio.to_thread(start_role_engine, e, role, local, self.ray_resources(), roots)
-                self._stack.callback(stop_engine_actor, actor)
+                start = functools.partial(start_role_engine, e, role, local, self.ray_resources(), roots)
+                actor, url = await asyncio.to_thread(start)
+                keeper = EngineSupervisor(lambda port: start(port=port), actor, url)  # replaced if it dies
+                self._stack.callback(keeper.stop)
+                keeper.watch()
+                self._stack.push_async_callback(keeper.aclose)
                 self.placement.record(f"{role}_engine", actor)
                 self.monitoring.add_url("engine", role, url)
                 self._stack.callback(self.monitoring.remove, "engine", role)

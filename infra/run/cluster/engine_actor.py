@@ -1,6 +1,6 @@
 """Inference engines as Ray actors: an SGLang server on a labelled GPU node, or the embedded engine.
 
-Thin wrappers only. `SGLangEngineActor` runs `infra.engine.sglang.SGLangLauncher`
+Thin wrappers, and `EngineSupervisor`, which starts a dead embedded engine actor again on its port. `SGLangEngineActor` runs `infra.engine.sglang.SGLangLauncher`
 (start, wait for /health, restart on death) on the node that advertises its role's
 label (`dreamgym train` with `engines.launch: sglang` and `actors.runtime: ray`); `EmbeddedEngineActor` runs `start_embedded_engine` on the
 actor's own event loop. Both answer `url()`, which is what `EngineClient` needs:
@@ -12,9 +12,11 @@ e.g. to 0.0.0.0 when workers on other nodes must reach them) and require
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -57,16 +59,18 @@ class EmbeddedEngineActor:
     """The embedded engine (transformers, continuous batching) served from inside an async actor."""
 
     def __init__(self, engine_cfg: dict, model: str | None = None, host: str | None = None,
-                 weights_roots: list[str] | None = None):
+                 weights_roots: list[str] | None = None, port: int = 0):
         self.cfg = EngineConfig(**engine_cfg)
         self.model = model or self.cfg.model
         self.host = host or self.cfg.host
         self.weights_roots = weights_roots
+        self.port = port  # 0: a free one; a replacement binds its predecessor's, so clients keep their URL
         self.handle = None
 
     async def start(self) -> str:
         if self.handle is None:
-            self.handle = await start_embedded_engine(self.model, self.host, 0, self.cfg.max_batch_size, self.cfg.dtype,
+            self.handle = await start_embedded_engine(self.model, self.host, self.port, self.cfg.max_batch_size,
+                                                      self.cfg.dtype,
                                                       default_max_new_tokens=self.cfg.max_new_tokens,
                                                       device=self.cfg.device, engine_cfg=self.cfg,
                                                       weights_roots=self.weights_roots)
@@ -97,15 +101,58 @@ def start_sglang_engine(cfg: EngineConfig, role: str, model_path: str | None = N
 
 
 def start_role_engine(cfg: EngineConfig, role: str, model: str, cluster_resources: dict[str, float],
-                      weights_roots: list[str] | None = None) -> tuple[Any, str]:
+                      weights_roots: list[str] | None = None, port: int = 0) -> tuple[Any, str]:
     """`dreamgym train`'s embedded engine for `role` ('mexp' or 'policy') as an actor on the node with
     that role's label (`mexp_gpu`, `policy_gpu`) when the cluster has one; one GPU when `engines.device`
     is CUDA (Ray hides the GPUs from an actor that asks for none). Returns (actor, url)."""
     opts = placement_options(role, cluster_resources, num_cpus=0.5)
     if cfg.device.startswith("cuda"):
         opts["num_gpus"] = 1
-    actor = EmbeddedEngineActor.options(**opts).remote(asdict(cfg), model, None, weights_roots)
+    actor = EmbeddedEngineActor.options(**opts).remote(asdict(cfg), model, None, weights_roots, port)
     return actor, ray.get(actor.start.remote())
+
+
+class EngineSupervisor:
+    """The driver's keeper of one embedded engine actor: every `poll_s` it asks the actor for its URL,
+    and when the actor's process is gone (kill -9, OOM) it starts a replacement on the same port with
+    `start(port)` (start_role_engine's arguments bound), so every EngineClient keeps its URL: they mark
+    the server dead on the failed requests and take it back when its /health answers. The replacement
+    serves the model it was started with until the learner's next publish brings the latest weights.
+    `run()` until `aclose()`; `stop()` stops the current actor."""
+
+    def __init__(self, start: Callable[[int], tuple[Any, str]], actor: Any, url: str, poll_s: float = 2.0):
+        self.start, self.actor, self.url, self.poll_s = start, actor, url, poll_s
+        self.restarts = 0
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def watch(self) -> None:
+        self._task = asyncio.create_task(self.run())
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await asyncio.wait_for(self.actor.url.remote(), 30)
+            except ray.exceptions.RayActorError:
+                port = int(self.url.rsplit(":", 1)[1])
+                log.warning("the engine actor at %s died; starting a replacement on port %d", self.url, port)
+                try:
+                    self.actor, _ = await asyncio.to_thread(self.start, port)
+                    self.restarts += 1
+                except Exception:  # the port is still held, or the node is full: try again at the next poll
+                    log.exception("replacing the engine actor at %s failed", self.url)
+            except asyncio.TimeoutError:  # busy (a long generation on a loaded node): alive
+                pass
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.poll_s)
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    def stop(self) -> None:
+        stop_engine_actor(self.actor)
 
 
 def stop_engine_actor(actor: Any, timeout_s: float = 30.0) -> None:
