@@ -273,7 +273,7 @@ def train_best(policy, cfg: Any, examples: list, val_examples: list, val_tasks: 
                on_step: Callable[[int, float], None] | None = None,
                on_eval: Callable[[CurvePoint], None] | None = None) -> tuple[list[CurvePoint], int]:
     """Early-stopped warm start: measure (step 0 included), train `warm_start_eval_every` steps, measure,
-    ... until `warm_start_patience` measurements bring no better one or `warm_start_max_steps` are
+    ... until `warm_start_patience` measurements do not raise the best validation success or `warm_start_max_steps` are
     taken; `policy` ends with the best point's weights. Returns (the curve, the best point's index)."""
     lc = cfg.learner
     run = SupervisedSteps(policy, examples, lc.warm_start_lr, lc.warm_start_batch, cfg.infra.seed, lc.max_grad_norm)

@@ -12,7 +12,9 @@ Owns what `learner.warm_start=best` (learner/policy_sft.py) decides with:
   outlives the weights it was computed with).
 - `best_index` / `should_stop`: pure rules over the curve. The best point has the highest
   validation success; ties go to the lower validation loss, then to fewer steps. Training
-  stops once `patience` evaluations in a row have not produced a new best.
+  stops once `patience` evaluations in a row have not raised the best validation success: the
+  loss picks among tied points but never extends training (when success saturates, a falling
+  loss made every evaluation a "new best" and the warm start ran to warm_start_max_steps).
 - `write_curve`: the curve as JSON and a PNG (matplotlib, Agg, imported only here).
 
 Not in the paper (its policies start from instruction-tuned 3-8B models, no warm start); this is
@@ -67,8 +69,13 @@ def best_index(curve: Sequence[CurvePoint]) -> int:
 
 
 def should_stop(curve: Sequence[CurvePoint], patience: int) -> bool:
-    """Whether the last `patience` evaluations all came after the best one (none of them improved on it)."""
-    return bool(curve) and len(curve) - 1 - best_index(curve) >= patience
+    """Whether the last `patience` evaluations all came after the first one to reach the curve's highest
+    validation success (none of them raised it). Lower losses at the same success do not count."""
+    if not curve:
+        return False
+    top = max(p.val_success for p in curve)
+    first = next(i for i, p in enumerate(curve) if p.val_success == top)
+    return len(curve) - 1 - first >= patience
 
 
 def validation_split(trajectories: Sequence[Trajectory], fraction: float, min_tasks: int, seed: int,

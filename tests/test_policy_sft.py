@@ -25,15 +25,17 @@ def pt(step, success, loss, train=None):
 
 
 def slow_best_and_stop(curve, patience):
-    """The rule spelled out: sort by (success desc, loss asc, step asc); stop when the best is `patience` back."""
+    """The rule spelled out: sort by (success desc, loss asc, step asc); stop when the first evaluation to reach
+    the highest success is `patience` back."""
     order = sorted(range(len(curve)), key=lambda i: (-curve[i].val_success, curve[i].val_loss, curve[i].step))
-    return order[0], len(curve) - 1 - order[0] >= patience
+    first_top = min(i for i in range(len(curve)) if curve[i].val_success == curve[order[0]].val_success)
+    return order[0], len(curve) - 1 - first_top >= patience
 
 
 def test_best_point_is_the_argmax_with_ties_to_lower_loss_then_fewer_steps():
     curve = [pt(0, 0.2, 2.0), pt(8, 0.6, 1.5), pt(16, 0.6, 1.2), pt(24, 0.4, 1.0), pt(32, 0.6, 1.2)]
     assert best_index(curve) == 2  # 0.6 three times: the lowest loss (1.2) twice, the fewer steps (16)
-    assert not should_stop(curve, 3) and should_stop(curve, 2)
+    assert should_stop(curve, 3) and not should_stop(curve, 4)  # 0.6 first reached at step 8, 3 evaluations back
     assert best_index([pt(0, 0.5, float("nan")), pt(8, 0.5, 3.0)]) == 1  # a NaN loss never wins a tie
     with pytest.raises(ValueError):
         best_index([])
@@ -55,6 +57,13 @@ def test_training_stops_exactly_patience_evaluations_after_the_best():
         if should_stop(curve, 3):
             break
     assert len(curve) == 6 and curve[best_index(curve)].step == 16
+    # success saturated, the loss still falling: the loss picks the point but does not extend training
+    curve = []
+    for i, (s, loss) in enumerate([(0.1, 2.0), (1.0, 0.5), (1.0, 0.4), (1.0, 0.3), (1.0, 0.2), (1.0, 0.1), (1.0, 0.05)]):
+        curve.append(pt(8 * i, s, loss))
+        if should_stop(curve, 3):
+            break
+    assert len(curve) == 5 and curve[best_index(curve)].step == 32
 
 
 def traj(task_id, policy="expert", success=True):
