@@ -318,8 +318,13 @@ def main() -> int:
                 watch.first_update_at = now
             if not job.alive():
                 rc = job.proc.returncode
-                if rc == 0 or (job.deadline is not None and job.remaining() < 30):
-                    break  # the job spent its budget (and wrote its summary), or no time is left to resume it
+                # a kill not yet recovered is always resumed (a learner killed near the end exits the driver: ending
+                # the soak there would count as "not recovered" a kill the quiet window let through), else the job
+                # spent its budget and wrote its summary, or too little time is left to resume it
+                unrecovered = any(k.recovered is None for k in kills)
+                if rc == 0 or (job.deadline is not None
+                               and (job.remaining() < -300 or (job.remaining() < 30 and not unrecovered))):
+                    break
                 job.kill_all()  # orphans of a crashed driver (its Ray actors) go with it
                 restarts.append({"t": round(now, 1), "why": f"exited with {rc}"})
                 job.start()
