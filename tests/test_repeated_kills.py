@@ -1,7 +1,7 @@
 """Deliveries counted where they are used, and the handler deadline, through `dreamgym train` (issue 63
 parts 2 and 3): real child processes killed with SIGKILL, as the issue's probes did.
 
-- six kills of a learner in a row, each 0.6 s after it has read its batch ahead: no good trajectory
+- six kills of a learner in a row, each inside an update once it has read its batch ahead: no good trajectory
   is dead-lettered that was not in an update the learner died in twice (LearnerCrash), and the run
   then trains the rest, losing nothing;
 - a batch reader's death: ten trajectories read at once, the learner killed twice inside the update
@@ -90,6 +90,23 @@ def wait_inside(run_dir: Path, entry: str, strikes: int, proc, timeout_s: float 
     raise AssertionError(f"{entry} never entered an update with {strikes} strikes")
 
 
+def wait_update(run_dir: Path, since_unix: float, proc, timeout_s: float = 600) -> None:
+    """Until the current process (started at `since_unix`) is inside an update: its in-flight file lists entries.
+    A fixed pause instead let an idle machine finish the run between kills (the tiny model's updates take
+    tens of milliseconds), so a later start exited 0 before it could be killed."""
+    path = run_dir / "learner_inflight.json"
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        assert proc.poll() is None, f"train exited early with {proc.returncode}"
+        try:
+            if path.stat().st_mtime >= since_unix and json.loads(path.read_text()).get("entries"):
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.003)
+    raise AssertionError("the learner never began an update")
+
+
 def kill(proc) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -119,10 +136,10 @@ def test_six_learner_kills_in_a_row_dead_letter_no_good_trajectory_it_did_not_di
         in_flight_at_kill: list[list[str]] = []
         held_at_kill = []
         for life in range(6):
-            started = time.monotonic()
+            started, started_unix = time.monotonic(), time.time()
             proc = start_train(overrides, name, log, resume=life > 0)
             held_at_kill.append(wait_read_ahead(r, stream, started, proc))
-            time.sleep(0.6)
+            wait_update(run_dir, started_unix, proc)
             kill(proc)
             in_flight_at_kill.append(InflightLedger(run_dir).entries)
         proc = start_train(overrides, name, log, resume=True)
