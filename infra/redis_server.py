@@ -145,7 +145,9 @@ class EmbeddedRedis:
         """The URL without the password (for records and logs)."""
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout_s: float = 60.0) -> "EmbeddedRedis":
+        """Start the server and wait for its PING. A server that exits fails at once; the long wait is for
+        one that is loading a large append-only file, or starting on a loaded machine."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = write_private(self.data_dir / "redis.conf", f"requirepass {self.password}\n" if self.password else "")
         if self.password:

@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the tests' own Ray clusters (ray.cluster_utils.Cluster) start beside a loaded suite: the patience
+# infra.run.cluster.runtime.patient_gcs_start gives every runtime the product starts
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 from pathlib import Path
 

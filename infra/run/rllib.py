@@ -103,6 +103,8 @@ async def train_rllib(cfg: Config, name: str, iterations: int, batch: int, max_a
     import ray  # Ray and RLlib's registry: only when a run starts (the command's --help stays fast)
     from ray.tune.registry import register_env  # as above
 
+    from infra.run.cluster.runtime import patient_gcs_start  # imports Ray: as above
+
     run_dir = Path(cfg.infra.run_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     stack: list = []
@@ -121,6 +123,7 @@ async def train_rllib(cfg: Config, name: str, iterations: int, batch: int, max_a
         if started:
             # "local": a fresh runtime even where a cluster of another test or command is running,
             # which ray.init() would otherwise join (and refuse num_cpus for)
+            patient_gcs_start()
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             stack.append(ray.shutdown)
         algo = ppo_config(env_name, batch, rl_seed(cfg.infra)).build_algo()
