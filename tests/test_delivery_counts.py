@@ -95,10 +95,12 @@ async def test_a_dead_readers_batch_reclaimed_by_another_is_charged_only_what_wa
     client = connect(redis_url)
     stream = await _batch(client, "batchdeath-reclaim")
     for life in range(1, 6):
+        await asyncio.sleep(0.02)  # the dead reader's entries idle past reclaim_idle_ms (a fast machine is within 1 ms)
         c = await _reader(client, stream, f"reader-{life}", reclaim_idle_ms=1)
         await _read_and_die_on_the_4th(c)
         counts = await _counts(client, stream)
         assert counts["t4"] == life and all(counts[f"t{i}"] == 0 for i in range(5, 11)), counts
+    await asyncio.sleep(0.02)
     c = await _reader(client, stream, "reader-6", reclaim_idle_ms=1)
     rest = await c.read(count=10, block_ms=20)
     assert sorted(d.message.task_id for d in rest) == sorted(f"t{i}" for i in range(5, 11))

@@ -38,6 +38,7 @@ from infra.config import Config, add_config_arguments, config_from_args, rl_seed
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.engine.server import default_weights_roots, start_embedded_engine
+from infra.processes import patient_gcs_start
 from infra.run.artifacts import embedding_cache, mexp_checkpoint, prepare_data, say
 from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel
@@ -102,8 +103,6 @@ async def train_rllib(cfg: Config, name: str, iterations: int, batch: int, max_a
     """PPO for `iterations` iterations in `actors.env_kind` environments of `actors.env_family`; the summary."""
     import ray  # Ray and RLlib's registry: only when a run starts (the command's --help stays fast)
     from ray.tune.registry import register_env  # as above
-
-    from infra.run.cluster.runtime import patient_gcs_start  # imports Ray: as above
 
     run_dir = Path(cfg.infra.run_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from infra import metrics
+from infra.processes import patient_gcs_start
 
 log = logging.getLogger(__name__)
 
@@ -120,19 +121,6 @@ def init_ray(address: str = "", num_cpus: int | None = None, memory_bytes: int =
     res = ray.cluster_resources()
     log.info("ray up: %s", {k: v for k, v in res.items() if not k.startswith("node:")})
     return res
-
-
-GCS_PORT_WAIT_S = "120"
-
-
-def patient_gcs_start() -> None:
-    """Let a local Ray's GCS take up to 2 minutes to publish its port (Ray's default is 30 s).
-
-    On a loaded 2-core machine (a test suite or a second job beside this one) the GCS server has
-    been measured to miss 30 s, and `ray.init` then fails with "Timed out waiting for file
-    .../gcs_server_port_*". The wait only ends sooner when the port is there, so a longer one costs
-    nothing on a quiet machine. An operator's own RAY_gcs_server_port_wait_time_s is kept."""
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)
 
 
 def shutdown_ray() -> None:
