@@ -203,7 +203,9 @@ async def test_autoscale_follows_an_injected_backlog_in_a_live_train(tiny_run, t
         await until(run, ids, 600, "the first worker pushed a group")
         assert await alive(client, prefix) == 1  # the curriculum's reserve alone grows nothing
         seed = decode_as((await client.xrange(tasks_stream(prefix), count=1))[0][1][b"d"], Task)
-        injected = [dataclasses.replace(seed, task_id=f"injected-{i}") for i in range(10)]
+        # enough work that the pool cannot drain it while an actor starts: on an idle machine one worker played
+        # 10 tiny tasks before the second was up, the backlog never called for a third and the test waited 600 s
+        injected = [dataclasses.replace(seed, task_id=f"injected-{i}") for i in range(40)]
         await StreamProducer(client, tasks_stream(prefix)).add(encode(t) for t in injected)
         await until(run, lambda: _is(alive(client, prefix), 3), 600, "the pool grew to 3")
         await until(run, lambda: _is(alive(client, prefix), 1), 600, "the pool shrank back to 1")
