@@ -278,7 +278,10 @@ class Ranks:
         launcher.start(init)
         try:
             control = _watched(lambda: join(init, 0), launcher, "joining the process group")
-            ranks = cls(policy, shard(policy, n, device), launcher, control)
+            try:
+                ranks = cls(policy, shard(policy, n, device), launcher, control)
+            finally:
+                forget_sharding_cache()
             # every rank loaded and sharded its policy: they answer once
             if _watched(lambda: answer(DONE, control), launcher, "loading the policy") != [DONE] * n:
                 raise RankFailure("a rank did not start")
@@ -309,6 +312,8 @@ class Ranks:
                         out, status, raised = local(), DONE, None
                     except NonFiniteUpdate as exc:  # every rank decided alike: all answer so
                         out, status, raised = None, NONFINITE, exc
+                    finally:
+                        forget_sharding_cache()
                 said = answer(status, self.control)
             except Exception as exc:
                 raise self._failed(f"rank 0: {type(exc).__name__}: {exc}") from exc
@@ -374,6 +379,18 @@ class Ranks:
         if dist.is_initialized():
             dist.destroy_process_group()
         return RankFailure(f"FSDP learner ranks failed ({'; '.join([what, *said])})")
+
+
+def forget_sharding_cache() -> None:
+    """Empty this thread's DTensor sharding-propagation cache (torch keeps one per thread, in the thread's
+    state). Its entries hold the device mesh and so the gloo/NCCL process group: left in an idle thread
+    (the calls run on asyncio.to_thread's executor threads), they outlive `close()`, and a later fork
+    (subprocess with a preexec_fn, as Ray starts its GCS) clears that thread's state in the child, runs the
+    group's destructor there and hangs or segfaults before exec. Measured in the test suite: Ray's GCS
+    child died with SIGSEGV (backtrace: PyOS_AfterFork_Child -> PyThreadState_Clear ->
+    get_thread_local_native_sharding_propagator_cache -> ~ProcessGroupGloo) and every later ray.init in
+    that process timed out. The cost: each call's first use of an op recomputes its sharding."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def _watched(call: Callable[[], Any], launcher: RankLauncher, what: str) -> Any:
