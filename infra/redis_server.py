@@ -78,10 +78,12 @@ def _tied_to_parent(cmd: list[str]) -> list[str]:
     that started it dies (a killed job leaves no server on its AOF), where setpriv exists; else as it is
     (the pidfile check below still prevents two servers on one AOF).
 
-    Not a `preexec_fn`: Python code between fork and exec in a process with other threads can deadlock
-    the child before exec (a lock held at the fork), and Popen then waits on it forever. A test suite
-    met exactly that: `EmbeddedRedis.start` hung 600 s in subprocess's errpipe read. PDEATHSIG fires when
-    the *thread* that forked exits: only ask for it from the main thread."""
+    Not a `preexec_fn`: with one, the child runs the interpreter's after-fork cleanup before exec, which
+    clears every other thread's state and can run destructors there (a torch process group's, joining
+    threads the child does not have: learner/fsdp.forget_sharding_cache), so the child hangs or dies and
+    Popen may wait forever. A test suite met exactly that: `EmbeddedRedis.start` hung 600 s in
+    subprocess's errpipe read. PDEATHSIG fires when the *thread* that forked exits: only ask for it from
+    the main thread."""
     setpriv = shutil.which("setpriv")
     if sys.platform != "linux" or setpriv is None or threading.current_thread() is not threading.main_thread():
         return cmd
