@@ -6,9 +6,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# the tests' own Ray clusters (ray.cluster_utils.Cluster) start beside a loaded suite: the patience
-# infra.run.cluster.runtime.patient_gcs_start gives every runtime the product starts
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 from pathlib import Path
 
@@ -16,7 +13,12 @@ import pytest
 import redis
 
 from infra.engine.models import save_tiny_model
+from infra.processes import patient_gcs_start
 from infra.redis_server import EmbeddedRedis
+
+# the tests' own Ray clusters (ray.cluster_utils.Cluster) start beside a loaded suite: the same GCS
+# patience as every local runtime the product starts
+patient_gcs_start()
 
 
 @pytest.fixture(scope="session")
