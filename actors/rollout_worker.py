@@ -163,9 +163,9 @@ class RolloutWorker:
                     if not deliveries:
                         continue
                     d = deliveries[0]
-                    if self.env_kind == EnvKind.REAL and not d.message.game_file:
-                        # A synthetic-only task (a curriculum variant still queued when sim-to-real switched
-                        # to the real env): no real environment can play it. Set aside with its reason.
+                    if self.env_kind == EnvKind.REAL and _synthetic_only(d.message):
+                        # A curriculum variant still queued when sim-to-real switched to the real env: no
+                        # real environment can play it. Set aside with its reason.
                         await self.consumer.dead_letter([d], f"NoRealCounterpart: task {d.message.task_id} has no "
                                                              "game file; only the synthetic environment can play it",
                                                         expected=True)
@@ -391,3 +391,9 @@ class RolloutWorker:
     def status(self) -> dict:
         return {"worker_id": self.worker_id, **{c: getattr(self, c) for c in STATUS_COUNTERS},
                 "inflight": len(self._inflight), "stopping": self._stopping.is_set()}
+
+
+def _synthetic_only(task: Task) -> bool:
+    """A task Mtask wrote (a curriculum variant) with no real game behind it. A plug-in environment's own
+    tasks need no game_file: the environment knows what to play from the task itself."""
+    return (task.generated or bool(task.parent_id)) and not task.game_file

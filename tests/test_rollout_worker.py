@@ -245,10 +245,11 @@ async def test_a_task_that_always_fails_is_nacked_then_dead_lettered_and_others_
 async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_url, caplog):
     """After a sim-to-real switch the task stream can still hold curriculum variants (no game file):
     a real-env worker dead-letters them with their reason (logged as the run's course, not an error),
-    never crashes an env on them, and plays the rest."""
+    never crashes an env on them, and plays the rest, a plug-in environment's task without a game file too."""
     client = connect(redis_url)
-    tasks = [Task(task_id="variant", instruction="climb", generated=True),
-             Task(task_id="real", instruction="climb", game_file="ladder.z8")]
+    tasks = [Task(task_id="variant", instruction="climb", generated=True, parent_id="real"),
+             Task(task_id="real", instruction="climb", game_file="ladder.z8"),
+             Task(task_id="plugin", instruction="climb")]  # a plug-in env's own task: no game file, still real
     await StreamProducer(client, tasks_stream(PREFIX)).add([encode(t) for t in tasks])
     made = []
 
@@ -258,13 +259,13 @@ async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_u
 
     c = ActorsConfig(group_size=2, concurrent_episodes=2, max_steps=3, env_kind="real")
     worker = RolloutWorker("w", client, PREFIX, ScriptedPolicy(version=1), env, c, reclaim_idle_ms=300)
-    run = asyncio.create_task(worker.run(max_groups=1))
+    run = asyncio.create_task(worker.run(max_groups=2))
     await asyncio.wait_for(run, 30)
     dead = await client.xrange(f"{tasks_stream(PREFIX)}:dead")
     assert [decode_as(f[b"d"], Task).task_id for _, f in dead] == ["variant"]
     assert dead[0][1][b"error"].decode().startswith("NoRealCounterpart: task variant")
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR and "dead-lettered" in r.getMessage()]
-    assert {t.task_id for t in await read_trajs(client)} == {"real"} and worker.tasks_dead_lettered == 1
+    assert {t.task_id for t in await read_trajs(client)} == {"real", "plugin"} and worker.tasks_dead_lettered == 1
     assert (await client.xpending(tasks_stream(PREFIX), WORKERS_GROUP))["pending"] == 0
     await client.aclose()
 
