@@ -2,13 +2,16 @@
 
 A task's id says what its one step does: `ok-*` wins, `exit-*` ends the process with exit(1) as
 TextWorld's C interpreter does on a corrupt game, `segv-*` kills it with SIGSEGV, `hang-*` blocks for an
-hour (a hung engine holds the GIL-free wait, the thread never answers). Only ever run out of process.
+hour (a hung engine holds the GIL-free wait, the thread never answers). A `spawn` in the id starts a helper
+process at reset, as a browser environment starts Chromium (its pid in the info, `helper_pid`), and the
+rest of the id still says what the step does (`spawnhang-1` hangs). Only ever run out of process.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 from actors.envs.base import StepResult
@@ -36,10 +39,13 @@ class FaultyEnv:
 
     async def reset(self, task: Task):
         self.task = task
-        return STATE, {"candidates": ["finish"], "expert_action": "finish", "won": False, "valid": True}
+        info = {"candidates": ["finish"], "expert_action": "finish", "won": False, "valid": True}
+        if "spawn" in task.task_id:
+            info["helper_pid"] = subprocess.Popen(["sleep", "600"]).pid
+        return STATE, info
 
     async def step(self, action: str) -> StepResult:
-        kind = self.task.task_id.split("-")[0] if self.task else ""
+        kind = self.task.task_id.split("-")[0].replace("spawn", "") if self.task else ""
         if kind == "exit":
             os._exit(1)
         if kind == "segv":

@@ -8,16 +8,19 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from actors.dataset import read_trajectories, trajectories_path
-from actors.envs.env_process import EnvProcess, Isolation
+from actors.envs.env_process import EnvProcess, EnvTimeout, Isolation
 from actors.envs.registry import make_env
 from actors.envs.textworld_env import TextWorldEnv, game_file_problem, generate_game, tasks_from_games
 from actors.evaluate import EXIT_BAD_TASKS
 from infra.config import load_config
+from infra.schema import Task
 from tests.faulty_env import FAMILY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +81,39 @@ def test_isolation_is_the_default_and_the_in_process_path_stays(tmp_path):
     assert Isolation.from_config(load_config(None, ["actors.env_isolation=false"]).actors) is None
     assert isinstance(make_env("textworld", isolation=iso, max_steps=3), EnvProcess)
     assert isinstance(make_env("textworld", max_steps=3), TextWorldEnv)  # tests and the synthetic env's callers
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    """The process has ended (a zombie awaiting its reaper counts as ended)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_what_an_environment_started_ends_with_its_child(tmp_path):
+    """A browser environment's child starts Chromium: a pooled child ended at the run's end, and a child
+    killed for a hang, take what they started with them (a full suite used to leave Chromium trees)."""
+    iso = Isolation(step_timeout_s=3.0)
+    env = EnvProcess(FAMILY, isolation=iso)
+    _, info = env.reset_sync(Task(task_id="spawn-1", instruction="finish", family=FAMILY))
+    pooled = info["helper_pid"]
+    env.close_sync()  # handed to the pool, still alive
+    assert not _gone(pooled, 0.5)
+    iso.close()  # the run's end
+    assert _gone(pooled)
+
+    env = EnvProcess(FAMILY, isolation=iso)
+    _, info = env.reset_sync(Task(task_id="spawnhang-1", instruction="finish", family=FAMILY))
+    with pytest.raises(EnvTimeout):
+        env.step_sync("finish")
+    assert _gone(info["helper_pid"])
+    env.close_sync()
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,7 +25,9 @@ from infra.schema import Task
 def _orphan_watch(parent: int) -> None:
     while True:
         time.sleep(2.0)
-        if os.getppid() != parent:
+        if os.getppid() != parent:  # the worker is gone: end this process group (a browser it started too)
+            if os.getpgrp() == os.getpid():  # EnvProcess starts it as its group's leader
+                os.killpg(os.getpgrp(), signal.SIGKILL)
             os._exit(0)
 
 

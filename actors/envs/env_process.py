@@ -26,7 +26,8 @@ the crash book that the EnvProcesses of one caller share. The rules:
   id) is refused at reset without a child (`EnvRefused`, `env_refused`), named in one log line.
 
 The child also leaves when its parent goes (stdin closes, or its parent process id changes while a
-step hangs), so a killed worker leaves no game interpreters behind.
+step hangs), so a killed worker leaves no game interpreters behind. The child leads its own process
+group, and ending it ends the group: a browser or driver it started (MiniWoB, BrowserGym) goes with it.
 """
 
 from __future__ import annotations
@@ -135,10 +136,23 @@ class Isolation:
             children = [c for v in self._idle.values() for c in v]
             self._idle.clear()
         for proc, stderr, _ in children:
-            _end(proc, stderr)
+            _end(proc, stderr, grace_s=5.0)
 
 
-def _end(proc: subprocess.Popen, stderr: Any) -> None:
+def _end(proc: subprocess.Popen, stderr: Any, grace_s: float = 0.0) -> None:
+    """End a child and whatever it started (a browser and its driver: the child leads its own process
+    group). With `grace_s`, first close its stdin and wait that long: the child then closes its
+    environment itself (a browser quits), as `close` does."""
+    if grace_s > 0 and proc.poll() is None:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=grace_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    try:  # the group outlives a leader that died first (a crash); pids are not reused while it lives
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     if proc.poll() is None:
         proc.kill()
     try:
@@ -216,7 +230,8 @@ class EnvProcess(LockedThreadCore):
         env = dict(os.environ)
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._proc = subprocess.Popen([sys.executable, "-m", "actors.envs.env_child"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._stderr, env=env, bufsize=0)
+                                      stdout=subprocess.PIPE, stderr=self._stderr, env=env, bufsize=0,
+                                      start_new_session=True)  # its own group: `_end` ends a browser with it
         reply = self._call({"family": self.family, "kwargs": self.kwargs}, self.iso.start_timeout_s, None, "start")
         self.accepts_free_text = bool(reply.get("accepts_free_text", False))
 
