@@ -103,6 +103,22 @@ def test_the_queue_batches_concurrent_requests_only_when_batching_is_on(tiny, bu
 
 
 @pytest.mark.parametrize("tree", [False, True])
+def test_a_request_its_caller_cancelled_costs_the_others_nothing(tiny, tree):
+    """An episode cancelled at a run's end cancels its scoring request: the batch it was queued in is
+    answered without it (set_result on a cancelled future raised, and failed every job after it)."""
+    model, _ = tiny
+    scorer = Scorer(lambda: (model, 0), batch_tokens=GPU_BATCH_TOKENS, tree=tree)
+    jobs = [scorer.submit([[1, 2, 3, 4]], 2), scorer.submit([[5, 6, 7, 8]], 2), scorer.submit([[5, 6, 7]], 2)]
+    assert jobs[1].cancel()
+    scorer.start()  # the three are waiting: one batch, less the cancelled one
+    try:
+        assert len(jobs[0].result(timeout=60)[0][0]) == 2 and len(jobs[2].result(timeout=60)[0][0]) == 1
+    finally:
+        scorer.stop()
+    assert scorer.jobs == 2
+
+
+@pytest.mark.parametrize("tree", [False, True])
 def test_a_request_that_breaks_its_batch_fails_alone(tiny, tree):
     model, tok = tiny
     scorer = Scorer(lambda: (model, 0), batch_tokens=GPU_BATCH_TOKENS, tree=tree)

@@ -108,7 +108,7 @@ class Scorer:
             pending, self._pending = self._pending, []
             self._cv.notify_all()
         for job in pending:
-            job.future.set_exception(EngineStopped("engine stopped"))
+            _settle(job.future, exception=EngineStopped("engine stopped"))
         for t in self._threads:
             t.join(timeout=30)
 
@@ -141,7 +141,7 @@ class Scorer:
                 log.exception("scoring %d requests failed", len(jobs))
                 for job in jobs:
                     if not job.future.done():
-                        job.future.set_exception(exc)
+                        _settle(job.future, exception=exc)
 
     def _chunks(self, jobs: list[ScoreJob]) -> list[list[ScoreJob]]:
         """Consecutive jobs whose `_size` stays within batch_tokens (a larger job runs alone)."""
@@ -166,6 +166,9 @@ class Scorer:
         return rows + len(job.prompts), max(width, max(len(p) for p in job.prompts))
 
     def _run(self, chunk: list[ScoreJob]) -> None:
+        chunk = [job for job in chunk if not job.future.cancelled()]  # its caller gave up (a run's end)
+        if not chunk:
+            return
         model, version = self.current()
         try:
             answers = self._compute(model, chunk)
@@ -175,10 +178,10 @@ class Scorer:
                 for job in chunk:
                     self._run([job])
                 return
-            chunk[0].future.set_exception(exc)
+            _settle(chunk[0].future, exception=exc)
             return
         for job, rows in zip(chunk, answers):
-            job.future.set_result((rows, version))
+            _settle(job.future, result=(rows, version))
 
     def _compute(self, model: Any, chunk: list[ScoreJob]) -> list[list[list[float]]]:
         """Per job, per prompt: the log-probs of its tokens from `start` on."""
@@ -196,3 +199,14 @@ class Scorer:
             self.batches += 1
             self.jobs += len(chunk)
         return out
+
+
+def _settle(future: concurrent.futures.Future, result: Any = None, exception: BaseException | None = None) -> None:
+    """Answer a job, unless its caller cancelled it meanwhile (then no one is waiting for the answer)."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
