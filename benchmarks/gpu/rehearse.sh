@@ -3,7 +3,7 @@
 # that sees only the packages the GPU image has (benchmarks/gpu/image_packages.txt, as KINDS.md
 # lists them, with their metadata alone), then lease.sh's three calls in order from fresh /tmp
 # folders, on the CPU with tiny budgets. A package or file the lease forgets fails here.
-# Run after benchmarks/gpu/pack.sh; takes about 8 minutes on 2 cores.
+# Run after benchmarks/gpu/pack.sh (the same EXP); takes about 8 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -26,11 +26,12 @@ for d in md.distributions(path=[sys.argv[1]]):
             os.symlink(src, f"/tmp/dg-image/{top}")
 PY
 echo /tmp/dg-image > "$(echo /tmp/dg-venv/lib/python3.*/site-packages)/image.pth"
-sed -e 's/=cuda/=cpu/g' -e 's/=bfloat16/=float32/g' -e 's/max_batch_size=64/max_batch_size=16/' \
-    -e 's/sft_max_examples=1000/sft_max_examples=8, learner.warm_start_steps=1, simulator.sft_max_heldout=2, simulator.fidelity_check_steps=2, evaluation.max_steps=2/' \
-    -e 's/num_workers=4, actors.concurrent_episodes=32/num_workers=2, actors.concurrent_episodes=8/' \
-    -e 's/train_budget_s=[0-9]*/train_budget_s=30/g' -e 's#/tmp/dg/runs#/tmp/dgr/runs#' \
-    benchmarks/gpu/textworld_gpu_lease.yaml > /tmp/dg-rehearse.yaml
+EXP=${EXP:-benchmarks/gpu/textworld_gpu_lease.yaml}  # the lease's experiment file, cut to tiny budgets on the CPU
+sed -E -e 's/=cuda/=cpu/g' -e 's/=bfloat16/=float32/g' -e 's/max_batch_size=[0-9]+/max_batch_size=16/' \
+    -e 's/sft_max_examples=[0-9]+/sft_max_examples=8, learner.warm_start_steps=1, learner.warm_start_max_steps=2, learner.warm_start_eval_every=1, simulator.sft_max_heldout=2, simulator.fidelity_check_steps=2, evaluation.max_steps=2/' \
+    -e 's/num_workers=4, actors.concurrent_episodes=[0-9]+/num_workers=2, actors.concurrent_episodes=8/' \
+    -e 's/train_budget_s=[0-9]+/train_budget_s=30/g' -e 's#/tmp/dg/runs#/tmp/dgr/runs#' \
+    "$EXP" > /tmp/dg-rehearse.yaml
 for stage in 1 2 3; do
   PY=/tmp/dg-venv/bin/python EXP=/tmp/dg-rehearse.yaml OUT=/tmp/dgr/out$stage RUNS=/tmp/dgr/runs \
     bash benchmarks/gpu/lease.sh $stage || { echo "rehearsal: call $stage failed"; exit 1; }
