@@ -59,8 +59,9 @@ from infra import metrics
 from infra.budget import Hold, StepBudget, count_key
 from infra.config import ActorsConfig
 from infra.schema import REPLAYED, EnvKind, Status, Task, Trajectory, decode_as, encode, new_id
+from infra.stream_backlog import stream_backlog
 from infra.streams import (DATA_FIELD, DEFAULT_MAX_DELIVERIES, LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, key,
-                           stream_backlog, tasks_stream, trajectories_stream, with_retry)
+                          tasks_stream, trajectories_stream, with_retry)
 from infra.task_stats import TaskStatsStore
 from simulator.replay_buffer import Transition
 

@@ -611,37 +611,3 @@ class StreamConsumer(Generic[T]):
             await trim_acked(self.client, self.stream)
         except Exception as exc:  # housekeeping: the ack stands, the next one trims
             log.warning("trimming acked entries of %s failed: %s", self.stream, exc)
-
-
-async def stream_status(client: aioredis.Redis, stream: str) -> dict:
-    """Length, per-group pending counts and dead letters of one stream."""
-    async def op() -> dict:
-        length = await client.xlen(stream) if await client.exists(stream) else 0
-        dead = dead_letter_stream(stream)
-        dead_len = await client.xlen(dead) if await client.exists(dead) else 0
-        groups = []
-        if length or await client.exists(stream):
-            for g in await client.xinfo_groups(stream):
-                groups.append({"group": _s(g["name"]), "consumers": g["consumers"], "pending": g["pending"],
-                               "lag": g.get("lag")})
-        return {"stream": stream, "length": length, "dead_letters": dead_len, "groups": groups}
-    return await with_retry(op, f"status {stream}", deadline_s=10)
-
-
-async def stream_backlog(client: aioredis.Redis, stream: str, group: str = WORKERS_GROUP) -> int:
-    """Entries in `stream` not yet delivered to `group` (all entries when the group does not exist yet).
-
-    Read from the group's `lag` (Redis >= 7.0; trimming keeps it exact). A server without it
-    reports no lag, read here as 0: no backlog, so nothing waits on it."""
-    async def op() -> int:
-        if not await client.exists(stream):
-            return 0
-        for g in await client.xinfo_groups(stream):
-            if _s(g["name"]) == group:
-                return int(g.get("lag") or 0)
-        return int(await client.xlen(stream))
-    return await with_retry(op, f"backlog {stream}", deadline_s=30)
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

@@ -61,7 +61,8 @@ import redis.asyncio as aioredis
 from infra import metrics
 from infra.config import CurriculumConfig
 from infra.schema import Task, encode, from_dict, to_dict
-from infra.streams import StreamProducer, stream_backlog, tasks_stream, with_retry
+from infra.stream_backlog import stream_backlog
+from infra.streams import StreamProducer, tasks_stream, with_retry
 from infra.task_stats import TaskStats, TaskStatsStore
 from simulator.s2r_selection import pick_splitting, still_played
 from simulator.task_pool import PoolFull, TaskPool, counters_key

@@ -29,8 +29,8 @@ from infra import metrics
 from infra.config import load_config
 from infra.run.workers import alive_key
 from infra.schema import Task, Trajectory, decode_as, encode
-from infra.streams import LEARNER_GROUP, StreamProducer, connect, run_prefix, stream_backlog, tasks_stream, \
-    trajectories_stream
+from infra.stream_backlog import stream_backlog
+from infra.streams import LEARNER_GROUP, StreamProducer, connect, run_prefix, tasks_stream, trajectories_stream
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -13,8 +13,9 @@ from infra import metrics
 from infra.config import ActorsConfig
 from actors.envs.base import AbstractState
 from infra.schema import EnvKind, Status, Task, Trajectory, decode_as, encode
-from infra.streams import (LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, StreamProducer, connect, stream_backlog,
-                           tasks_stream, trajectories_stream)
+from infra.stream_backlog import stream_backlog
+from infra.streams import (LEARNER_GROUP, WORKERS_GROUP, StreamConsumer, StreamProducer, connect, tasks_stream,
+                          trajectories_stream)
 from infra.task_stats import TaskStatsStore
 from infra.config import SimulatorConfig
 from infra.engine.models import load_tokenizer

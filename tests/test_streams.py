@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from infra import metrics, schema
 from infra.redis_server import EmbeddedRedis
 from infra.schema import Step, Trajectory
-from infra.streams import (StreamConsumer, StreamProducer, connect, dead_letter_stream, stream_backlog,
-                           stream_status, trajectories_stream, trim_acked)
+from infra.stream_backlog import stream_backlog, stream_status
+from infra.streams import (StreamConsumer, StreamProducer, connect, dead_letter_stream, trajectories_stream,
+                          trim_acked)
 from infra.task_stats import TaskStatsStore, group_variance
 from tests.test_schema import POISON, _poisoned
 
@@ -390,6 +391,29 @@ def _key(entry_id: bytes) -> tuple[int, int]:
 
 async def _ids(client, stream) -> list[bytes]:
     return [i for i, _ in await client.xrange(stream)]
+
+
+async def test_the_backlog_holds_when_redis_loses_a_groups_counters(redis_url):
+    """After kill -9s and AOF reloads (the chaos soak), Redis reported a lag of thousands for a group
+    that had been delivered every entry, so the workers waited for good, and no lag at all, read as
+    0, so the curriculum flooded the task stream. The backlog is the undelivered entries regardless."""
+    client = connect(redis_url)
+    stream = trajectories_stream("lagless")
+    consumer = await _consumer(client, "c0", stream)
+    await StreamProducer(client, stream).add([schema.encode(_traj(i)) for i in range(5)])
+    got = await consumer.read(count=5, block_ms=50)
+    assert await stream_backlog(client, stream, "learner") == 0
+    # counters lost: every entry delivered, but the group's entries-read says none was
+    await client.xgroup_setid(stream, "learner", got[-1].entry_id, entries_read=0)
+    assert (await client.xinfo_groups(stream))[0]["lag"] == 5
+    assert await stream_backlog(client, stream, "learner") == 0
+    # no lag at all (entries-read unknown), three entries undelivered: counted, not read as 0
+    await client.xgroup_setid(stream, "learner", got[1].entry_id)
+    assert (await client.xinfo_groups(stream))[0]["lag"] is None
+    assert await stream_backlog(client, stream, "learner") == 3
+    assert await stream_backlog(client, stream, "learner", cap=2) == 2
+    assert await stream_backlog(client, stream, "no-such-group") == 5
+    await client.aclose()
 
 
 async def test_trim_removes_only_what_every_group_acked(redis_url):

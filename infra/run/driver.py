@@ -64,7 +64,8 @@ from infra.run.services import Services
 from infra.run.train_args import add_arguments, check  # noqa: F401 (add_arguments: the command's)
 from infra.run.workers import WorkerPool
 from infra.schema import encode
-from infra.streams import LEARNER_GROUP, StreamProducer, stream_backlog, tasks_stream, trajectories_stream
+from infra.stream_backlog import stream_backlog
+from infra.streams import LEARNER_GROUP, StreamProducer, tasks_stream, trajectories_stream
 from learner.fsdp import check_ranks
 from learner.learner import Learner
 from learner.precision import Precision

@@ -35,7 +35,8 @@ from rich.table import Table
 
 from infra import metrics
 from infra.config import InfraConfig
-from infra.streams import stream_status, tasks_stream, trajectories_stream
+from infra.stream_backlog import stream_status
+from infra.streams import tasks_stream, trajectories_stream
 from infra.targets import Targets, address_of, read_targets, targets_path
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from infra.config import add_config_arguments, config_from_args, redact_url
 from infra.redis_server import read_job_record
-from infra.streams import connect, stream_status, tasks_stream, trajectories_stream
+from infra.stream_backlog import stream_status
+from infra.streams import connect, tasks_stream, trajectories_stream
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -52,7 +52,8 @@ from actors.rollout_worker import EnvFactory, RolloutWorker
 from infra import metrics
 from infra.config import Config, rl_seed
 from infra.engine.load import max_queue_depth
-from infra.streams import key, stream_backlog, tasks_stream, with_retry
+from infra.stream_backlog import stream_backlog
+from infra.streams import key, tasks_stream, with_retry
 from simulator.synthetic_env import SyntheticEnv
 
 log = logging.getLogger(__name__)
