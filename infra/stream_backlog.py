@@ -18,17 +18,18 @@ COUNT_CAP = 1_000  # entries stream_backlog counts one by one where a group's la
 
 
 async def stream_status(client: aioredis.Redis, stream: str) -> dict:
-    """Length, per-group pending counts and dead letters of one stream."""
+    """Length, dead letters and, per group, consumers, pending entries and backlog ("lag": what
+    `stream_backlog` reads, not Redis's own counter)."""
     async def op() -> dict:
-        length = await client.xlen(stream) if await client.exists(stream) else 0
-        dead = dead_letter_stream(stream)
-        dead_len = await client.xlen(dead) if await client.exists(dead) else 0
-        groups = []
-        if length or await client.exists(stream):
-            for g in await client.xinfo_groups(stream):
-                groups.append({"group": _s(g["name"]), "consumers": g["consumers"], "pending": g["pending"],
-                               "lag": g.get("lag")})
-        return {"stream": stream, "length": length, "dead_letters": dead_len, "groups": groups}
+        if not await client.exists(stream):
+            return {"stream": stream, "length": 0, "dead_letters": await _length(client, dead_letter_stream(stream)),
+                    "groups": []}
+        info = await client.xinfo_stream(stream)
+        groups = [{"group": _s(g["name"]), "consumers": g["consumers"], "pending": g["pending"],
+                   "lag": await _group_backlog(client, stream, info, g, COUNT_CAP)}
+                  for g in await client.xinfo_groups(stream)]
+        return {"stream": stream, "length": int(info["length"]),
+                "dead_letters": await _length(client, dead_letter_stream(stream)), "groups": groups}
     return await with_retry(op, f"status {stream}", deadline_s=10)
 
 
@@ -49,17 +50,24 @@ async def stream_backlog(client: aioredis.Redis, stream: str, group: str = WORKE
             return 0
         info = await client.xinfo_stream(stream)
         for g in await client.xinfo_groups(stream):
-            if _s(g["name"]) != group:
-                continue
-            last = _s(g["last-delivered-id"])
-            if _entry_id(last) >= _entry_id(_s(info["last-generated-id"])):
-                return 0
-            lag = g.get("lag")
-            if lag is not None and 0 <= int(lag) <= int(info["length"]):
-                return int(lag)
-            return len(await client.xrange(stream, min=f"({last}", max="+", count=cap))
+            if _s(g["name"]) == group:
+                return await _group_backlog(client, stream, info, g, cap)
         return int(info["length"])
     return await with_retry(op, f"backlog {stream}", deadline_s=30)
+
+
+async def _group_backlog(client: aioredis.Redis, stream: str, info: dict, g: dict, cap: int) -> int:
+    last = _s(g["last-delivered-id"])
+    if _entry_id(last) >= _entry_id(_s(info["last-generated-id"])):
+        return 0
+    lag = g.get("lag")
+    if lag is not None and 0 <= int(lag) <= int(info["length"]):
+        return int(lag)
+    return len(await client.xrange(stream, min=f"({last}", max="+", count=cap))
+
+
+async def _length(client: aioredis.Redis, stream: str) -> int:
+    return int(await client.xlen(stream)) if await client.exists(stream) else 0
 
 
 def _entry_id(v: str) -> tuple[int, int]:

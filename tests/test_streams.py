@@ -413,6 +413,7 @@ async def test_the_backlog_holds_when_redis_loses_a_groups_counters(redis_url):
     assert await stream_backlog(client, stream, "learner") == 3
     assert await stream_backlog(client, stream, "learner", cap=2) == 2
     assert await stream_backlog(client, stream, "no-such-group") == 5
+    assert (await stream_status(client, stream))["groups"][0]["lag"] == 3  # what status and the gauge show
     await client.aclose()
 
 

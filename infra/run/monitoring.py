@@ -121,7 +121,7 @@ class Monitoring:
                 with contextlib.suppress(Exception):  # Redis busy or restarting: the next sample will do
                     for stream in (tasks_stream(prefix), trajectories_stream(prefix)):
                         s = await stream_status(client, stream)
-                        metrics.STREAM_BACKLOG.labels(stream).set(sum(int(g.get("lag") or 0) for g in s["groups"]))
+                        metrics.STREAM_BACKLOG.labels(stream).set(sum(int(g["lag"]) for g in s["groups"]))
                         metrics.STREAM_PENDING.labels(stream).set(sum(int(g["pending"]) for g in s["groups"]))
                 await asyncio.sleep(every_s)
         self._sampler = asyncio.create_task(loop())
