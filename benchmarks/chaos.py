@@ -276,6 +276,9 @@ def main() -> int:
     p.add_argument("--quiet-s", type=float, default=0.0, help="no kill in the run's last seconds (default: --every/2, at least 40)")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--warmup", type=float, default=0.25, help="share of the run left out of the RSS fits")
+    p.add_argument("--rss-span-s", type=float, default=900.0,
+                   help="an RSS fit is asserted where it spans this long (or half the fitted time, if less); kills "
+                        "restart processes, so give a long soak a calm end with --quiet-s (default: %(default)s)")
     p.add_argument("--workdir", default="", help="keep the run here (default: a temporary directory)")
     p.add_argument("--data-dir", default="", help="games and offline data (default: <workdir>/data; reuse one to skip building)")
     p.add_argument("--set", nargs="*", default=[], help="more `dreamgym train` overrides")
@@ -455,7 +458,7 @@ def report(args: argparse.Namespace, kills: list[Kill], restarts: list[dict], rs
     # after the first quarter of its own samples
     trained_from = watch.first_update_at or 0.0
     quarter = trained_from + args.warmup * max(0.0, elapsed - trained_from)
-    need = max(60.0, (elapsed - quarter) / 2)
+    need = max(60.0, min(args.rss_span_s, (elapsed - quarter) / 2))
     slopes: dict[str, float] = {}
     print(f"RSS slopes (MB/min) fitted after the first {args.warmup:.0%} of the training time ({quarter:.0f} s), a "
           f"process's start-up ({startup_s:.0f} s) and the first {args.warmup:.0%} of its own samples; asserted where "

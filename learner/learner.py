@@ -97,6 +97,7 @@ from learner.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
+STALE_CATCH_UP_S = 10.0  # at most this often, stale trajectories make the learner check the engines' versions
 RANK_RESTARTS = 3  # restarts of the FSDP ranks in a row, with no update between them, before the run stops
 ACKED_AT_ONCE = ("duplicate", "dead_letter")  # set-aside outcomes acked when seen: a rollback keeps their counts
 
@@ -169,6 +170,7 @@ class Learner:
         self.ledger = InflightLedger(self.run_dir)
         self.record = TrainedRecord(self.run_dir)  # which trajectories entered which update (audits)
         self._recovered = False
+        self._stale_seen, self._caught_up_at = 0, float("-inf")  # stale set-asides seen, last engine catch-up
         self.version = 0
         self.updates = 0
         self.failed_updates: dict[str, int] = {}  # reason kind -> updates undone (non-finite, errors)
@@ -253,6 +255,7 @@ class Learner:
             self.ledger.recover()  # a previous process died inside an update: strike its entries
             self._recovered = True
         units = await self.batches.next_batch(self.version, final)
+        await self._catch_up_stale_engines()
         if units is None:
             return None
         kept = await self._drop_struck_out(units)
@@ -264,6 +267,27 @@ class Learner:
         except RankFailure as exc:  # FSDP ranks out of step: nothing can be undone on them (learner/fsdp.py)
             await self._restart_ranks(exc)
             return None
+
+    async def _catch_up_stale_engines(self) -> None:
+        """Trajectories too stale to train mean an engine serves old weights: one restarted by its supervisor
+        serves the model it was started with, and if every worker's episodes come from it no update follows,
+        so no publish would ever bring it up to date (issue 63's soak: a policy engine killed right after a
+        resume, 280 s without an update). Push the last published weights to any engine behind them, at most
+        every STALE_CATCH_UP_S."""
+        stale = self.batches.set_aside.get("stale", 0)
+        if stale <= self._stale_seen or self.publisher is None:
+            return
+        if time.monotonic() - self._caught_up_at < STALE_CATCH_UP_S:
+            return
+        self._stale_seen, self._caught_up_at = stale, time.monotonic()
+        try:
+            pushed = await self.publisher.catch_up()
+        except Exception:  # the engines are down: their supervisor's business; try again later
+            log.exception("bringing the engines up to weight version %d failed", self.version)
+            return
+        if pushed:
+            log.warning("stale trajectories: %s served old weights; pushed version %s", ", ".join(pushed),
+                        self.publisher.last_published)
 
     async def _update(self, units: list) -> UpdateStats | None:
         t0 = time.monotonic()

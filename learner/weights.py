@@ -44,6 +44,8 @@ class WeightSink(Protocol):
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None: ...
 
+    async def catch_up(self) -> list[str]: ...
+
 
 def weights_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "weights"
@@ -151,6 +153,14 @@ class WeightPublisher:
         self._prune()
         log.info("published weights v%d at %s", version, path)
         return path
+
+    async def catch_up(self) -> list[str]:
+        """Bring every engine that serves an older version than the last published one up to it (an engine
+        restarted by its supervisor serves the model it was started with); the URLs pushed to. Nothing to
+        do over a weight-update group (its engines cannot fall behind that way) or before a first publish."""
+        if self.sync is not None or self.client is None or self.last_published is None:
+            return []
+        return await self.client.catch_up()
 
     async def keep_final(self, policy: Any, version: int) -> None:
         """End of training with a `sync`: write the last version here (the engines already serve it)."""

@@ -199,6 +199,37 @@ async def test_a_learner_that_dies_twice_inside_the_same_update_dead_letters_it(
     await client3.aclose()
 
 
+async def test_stale_trajectories_bring_a_restarted_engine_up_to_the_published_weights(redis_url, tiny_dir, tmp_path):
+    """Issue 63's soak: a policy engine killed right after a resume came back (its supervisor restarted it on
+    the same port) serving the model it was started with, version 0. Every episode then came from version 0,
+    too stale to train, so no update and no publish followed: 280 s without an update. The learner now pushes
+    the last published weights to an engine behind them when stale trajectories arrive."""
+    from infra.engine.client import EngineClient
+    from infra.engine.server import start_embedded_engine
+
+    engine = await start_embedded_engine(str(tiny_dir), max_batch_size=2)
+    port = int(engine.url.rsplit(":", 1)[1])
+    engines = EngineClient([engine.url], role="policy", timeout_s=60, health_interval_s=0.2)
+    client, producer, learner, stream = await make_learner(redis_url, tmp_path, tiny_dir, max_staleness=0)
+    learner.publisher = WeightPublisher(tmp_path, engines, keep=1)
+    tok = learner.policy.tokenizer
+    try:
+        await producer.add(encode(t) for t in [traj(tok, "A", 1.0), traj(tok, "A", 0.0)])
+        assert len(await steps(learner, 4)) == 1 and engine.batcher.weight_version == 1
+        await engine.stop()  # killed and started again on its port between two requests of the learner's client
+        engine = await start_embedded_engine(str(tiny_dir), port=port, max_batch_size=2)
+        assert engine.batcher.weight_version == 0 and engines.servers[0].healthy
+        stale = [traj(tok, "B", 1.0), traj(tok, "B", 0.0)]  # from version 0, learner at 1, max_staleness 0
+        await producer.add(encode(t) for t in stale)
+        assert await steps(learner, 4) == []
+        assert learner.batches.set_aside.get("stale") == 2
+        assert engine.batcher.weight_version == 1  # brought up to the published version, by the learner
+    finally:
+        await engines.close()
+        await engine.stop()
+        await client.aclose()
+
+
 # ---- `dreamgym train` as a real process ------------------------------------------------------
 
 def train_overrides(tmp: Path, data_dir: Path, model_dir: Path, total: int, *extra: str) -> list[str]:

@@ -392,6 +392,25 @@ class EngineClient:
             raise EngineError(f"{path} failed on {len(failed)} of {len(self.servers)} servers: "
                               f"{[str(f) for f in failed]}")
 
+    async def catch_up(self) -> list[str]:
+        """Push the latest published weights to every live server that serves another version: one that a
+        supervisor restarted between two requests of this client (so it never looked dead here) serves what
+        it was started with. The URLs pushed to; a server that fails is marked dead (and caught up later)."""
+        if self._latest_weights is None:
+            return []
+        behind = [s for s in self.servers if s.healthy and await self._served_version(s) not in
+                  (None, self._latest_weights[1])]
+        results = await asyncio.gather(*(self._catch_up(s) for s in behind))
+        return [s.url for s, ok in zip(behind, results) if ok]
+
+    async def _served_version(self, s: _Server) -> int | None:
+        """The weight version `s` reports; None when it cannot be asked."""
+        try:
+            async with self._sess().get(s.url + "/get_model_info", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return _version((await r.json(content_type=None)).get("weight_version"))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return None
+
     async def _catch_up(self, s: _Server) -> bool:
         """A server back from the dead gets the latest weights before it serves again."""
         if self._latest_weights is None:

@@ -117,7 +117,8 @@ class EngineSupervisor:
     and when the actor's process is gone (kill -9, OOM) it starts a replacement on the same port with
     `start(port)` (start_role_engine's arguments bound), so every EngineClient keeps its URL: they mark
     the server dead on the failed requests and take it back when its /health answers. The replacement
-    serves the model it was started with until the learner's next publish brings the latest weights.
+    serves the model it was started with until the learner brings it the latest weights: at its next publish,
+    or, when every episode then comes from the old weights and is too stale to train, as soon as it sees them.
     `run()` until `aclose()`; `stop()` stops the current actor."""
 
     def __init__(self, start: Callable[[int], tuple[Any, str]], actor: Any, url: str, poll_s: float = 2.0):
