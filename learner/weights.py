@@ -62,6 +62,12 @@ def published_versions(run_dir: str | Path) -> list[int]:
     return sorted(int(m.group(1)) for p in d.iterdir() if p.is_dir() and (m := _VERSION_DIR.match(p.name)))
 
 
+def latest_published(run_dir: str | Path) -> tuple[Path, int] | None:
+    """The last weights published under run_dir (their directory, their version); None before the first."""
+    versions = published_versions(run_dir)
+    return (version_path(run_dir, versions[-1]), versions[-1]) if versions else None
+
+
 def resolve_model(path: str | Path) -> str:
     """A model directory an engine can serve, from any of: a model name ('smollm2'), a Hugging Face
     directory, a run directory (its latest published version, else the policy it started from and so

@@ -46,22 +46,30 @@ def test_sglang_actor_is_placed_by_its_role_label():
 
 
 @pytest.mark.timeout(900)
-async def test_a_killed_engine_actor_is_replaced_on_its_port(ray_runtime, tiny_dir):
+async def test_a_killed_engine_actor_is_replaced_on_its_port(ray_runtime, tiny_dir, tmp_path):
     """kill -9 of the policy engine's actor (benchmarks/chaos.py's `engine`): the supervisor starts a
-    replacement on the same port, so a client that holds the URL is served again without being told."""
+    replacement on the same port, so a client that holds the URL is served again without being told,
+    and the replacement serves the run's last published weights (v7 here), not the model it started with."""
     import asyncio
     import os
+    import shutil
     import signal
 
     import ray
 
     from infra.engine.client import EngineClient
     from infra.run.cluster.engine_actor import EngineSupervisor, start_role_engine
+    from learner.weights import version_path
 
     cfg = EngineConfig(model=str(tiny_dir), max_batch_size=2)
-    start = lambda port=0: start_role_engine(cfg, "policy", str(tiny_dir), ray.cluster_resources(), port=port)  # noqa: E731
+
+    def start(port=0, model=None, version=0):
+        return start_role_engine(cfg, "policy", model or str(tiny_dir), ray.cluster_resources(), port=port,
+                                 weight_version=version)
     actor, url = await asyncio.to_thread(start)
-    keeper = EngineSupervisor(lambda port: start(port), actor, url, poll_s=0.5)
+    for v in (6, 7):  # what the learner published meanwhile
+        shutil.copytree(tiny_dir, version_path(tmp_path, v))
+    keeper = EngineSupervisor(start, actor, url, poll_s=0.5, run_dir=tmp_path)
     keeper.watch()
     try:
         os.kill(await actor.__ray_call__.remote(lambda _self: os.getpid()), signal.SIGKILL)
@@ -73,7 +81,8 @@ async def test_a_killed_engine_actor_is_replaced_on_its_port(ray_runtime, tiny_d
         assert await keeper.actor.url.remote() == url  # the same port
         async with EngineClient([url], role="test", timeout_s=60) as client:
             res = await client.generate("hello", sampling_params={"max_new_tokens": 2, "temperature": 0})
-            assert len(res.output_ids) == 2
+            assert len(res.output_ids) == 2 and res.weight_version == 7
+            assert (await client.model_info())["model_path"] == str(version_path(tmp_path, 7).resolve())
     finally:
         await keeper.aclose()
         keeper.stop()

@@ -194,9 +194,12 @@ class Services:
             roots = default_weights_roots(model, self.cfg.infra.run_dir, e.weights_root, self.cfg.infra.weights_dir)
             if self.cfg.actors.runtime == "ray":  # an engine actor on the role's labelled node
                 local = os.path.abspath(model) if os.path.isdir(model) else model  # the actor's cwd is its node's
-                start = functools.partial(start_role_engine, e, role, local, self.ray_resources(), roots)
-                actor, url = await asyncio.to_thread(start)
-                keeper = EngineSupervisor(lambda port: start(port=port), actor, url)  # replaced if it dies
+                start = functools.partial(start_role_engine, e, role, cluster_resources=self.ray_resources(),
+                                          weights_roots=roots)
+                actor, url = await asyncio.to_thread(start, model=local)
+                keeper = EngineSupervisor(  # replaced if it dies; the policy's with the last published weights
+                    lambda port, path, version: start(model=path or local, port=port, weight_version=version),
+                    actor, url, run_dir=self.run_dir if role == "policy" else None)
                 self._stack.callback(keeper.stop)
                 keeper.watch()
                 self._stack.push_async_callback(keeper.aclose)

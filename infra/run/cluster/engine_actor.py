@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Callable
 
 import ray
@@ -24,6 +25,7 @@ from infra.config import EngineConfig
 from infra.engine.server import start_embedded_engine
 from infra.engine.sglang import SGLangLauncher
 from infra.run.cluster.runtime import placement_options
+from learner.weights import latest_published
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,9 @@ class EmbeddedEngineActor:
     """The embedded engine (transformers, continuous batching) served from inside an async actor."""
 
     def __init__(self, engine_cfg: dict, model: str | None = None, host: str | None = None,
-                 weights_roots: list[str] | None = None, port: int = 0):
+                 weights_roots: list[str] | None = None, port: int = 0, weight_version: int = 0):
         self.cfg = EngineConfig(**engine_cfg)
-        self.model = model or self.cfg.model
+        self.model, self.weight_version = model or self.cfg.model, weight_version
         self.host = host or self.cfg.host
         self.weights_roots = weights_roots
         self.port = port  # 0: a free one; a replacement binds its predecessor's, so clients keep their URL
@@ -73,7 +75,8 @@ class EmbeddedEngineActor:
                                                       self.cfg.dtype,
                                                       default_max_new_tokens=self.cfg.max_new_tokens,
                                                       device=self.cfg.device, engine_cfg=self.cfg,
-                                                      weights_roots=self.weights_roots)
+                                                      weights_roots=self.weights_roots,
+                                                      weight_version=self.weight_version)
         return await self.url()
 
     async def url(self) -> str:
@@ -101,28 +104,35 @@ def start_sglang_engine(cfg: EngineConfig, role: str, model_path: str | None = N
 
 
 def start_role_engine(cfg: EngineConfig, role: str, model: str, cluster_resources: dict[str, float],
-                      weights_roots: list[str] | None = None, port: int = 0) -> tuple[Any, str]:
+                      weights_roots: list[str] | None = None, port: int = 0, weight_version: int = 0
+                      ) -> tuple[Any, str]:
     """`dreamgym train`'s embedded engine for `role` ('mexp' or 'policy') as an actor on the node with
     that role's label (`mexp_gpu`, `policy_gpu`) when the cluster has one; one GPU when `engines.device`
-    is CUDA (Ray hides the GPUs from an actor that asks for none). Returns (actor, url)."""
+    is CUDA (Ray hides the GPUs from an actor that asks for none). `weight_version`: what it reports
+    serving `model` (a replacement serving published weights). Returns (actor, url)."""
     opts = placement_options(role, cluster_resources, num_cpus=0.5)
     if cfg.device.startswith("cuda"):
         opts["num_gpus"] = 1
-    actor = EmbeddedEngineActor.options(**opts).remote(asdict(cfg), model, None, weights_roots, port)
+    actor = EmbeddedEngineActor.options(**opts).remote(asdict(cfg), model, None, weights_roots, port, weight_version)
     return actor, ray.get(actor.start.remote())
 
 
 class EngineSupervisor:
     """The driver's keeper of one embedded engine actor: every `poll_s` it asks the actor for its URL,
     and when the actor's process is gone (kill -9, OOM) it starts a replacement on the same port with
-    `start(port)` (start_role_engine's arguments bound), so every EngineClient keeps its URL: they mark
-    the server dead on the failed requests and take it back when its /health answers. The replacement
-    serves the model it was started with until the learner brings it the latest weights: at its next publish,
-    or, when every episode then comes from the old weights and is too stale to train, as soon as it sees them.
+    `start(port, model, weight_version)` (start_role_engine's other arguments bound; model None: the one
+    the engine was started with), so every EngineClient keeps its URL: they mark the server dead on the
+    failed requests and take it back when its /health answers. Given the run directory (`run_dir`, the
+    policy's engine), the replacement serves the last weights published there, so its first episodes are
+    not too stale to train (issue 63's soak: a replacement serving version 0 when the learner was at
+    1,850 made every episode stale, and no update followed); the learner also pushes the published
+    weights to any engine behind them when stale trajectories arrive (learner/learner.py).
     `run()` until `aclose()`; `stop()` stops the current actor."""
 
-    def __init__(self, start: Callable[[int], tuple[Any, str]], actor: Any, url: str, poll_s: float = 2.0):
+    def __init__(self, start: Callable[[int, str | None, int], tuple[Any, str]], actor: Any, url: str,
+                 poll_s: float = 2.0, run_dir: str | Path | None = None):
         self.start, self.actor, self.url, self.poll_s = start, actor, url, poll_s
+        self.run_dir = run_dir
         self.restarts = 0
         self._stop = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -138,7 +148,7 @@ class EngineSupervisor:
                 port = int(self.url.rsplit(":", 1)[1])
                 log.warning("the engine actor at %s died; starting a replacement on port %d", self.url, port)
                 try:
-                    self.actor, _ = await asyncio.to_thread(self.start, port)
+                    self.actor, _ = await asyncio.to_thread(self._replacement, port)
                     self.restarts += 1
                 except Exception:  # the port is still held, or the node is full: try again at the next poll
                     log.exception("replacing the engine actor at %s failed", self.url)
@@ -146,6 +156,14 @@ class EngineSupervisor:
                 pass
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.poll_s)
+
+    def _replacement(self, port: int) -> tuple[Any, str]:
+        latest = latest_published(self.run_dir) if self.run_dir is not None else None
+        if latest is None:
+            return self.start(port, None, 0)
+        path, version = latest
+        log.warning("the replacement on port %d serves the published weights v%d (%s)", port, version, path)
+        return self.start(port, str(path.resolve()), version)
 
     async def aclose(self) -> None:
         self._stop.set()
