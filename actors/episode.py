@@ -55,6 +55,7 @@ from infra import metrics
 from infra.schema import EnvKind, Status, Step, Task, Trajectory, new_id
 
 log = logging.getLogger(__name__)
+ENV_DETAIL_CHARS = 240  # the environment error's text kept in timings["env_error_detail"] (a label: <= 256)
 
 
 class Chooser(Protocol):
@@ -129,6 +130,7 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
     t0, t_policy, t_env = time.monotonic(), 0.0, 0.0
     in_env = True  # whether the awaited call that raised was the environment's
     env_reason = ""  # env_error: why (actors/envs/env_process.py: env_crash, env_timeout, env_refused)
+    env_detail = ""  # and the error's text, for the worker that names a task no environment can play
     metrics.ROLLOUT_INFLIGHT_EPISODES.inc()
     try:
         state, info = await env.reset(task)
@@ -180,6 +182,7 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
             raise
         traj.status = Status.ENV_ERROR
         env_reason = str(getattr(exc, "reason", "") or "env_exception")
+        env_detail = f"{type(exc).__name__}: {exc}"
         metrics.ENV_ERRORS.labels(family).inc()
         log.warning("episode of %s: the environment crashed: %s: %s", task.task_id, type(exc).__name__,
                     str(exc)[:300])
@@ -190,6 +193,7 @@ async def run_episode(env: Environment, task: Task, choose: Chooser, max_steps: 
     traj.timings = {"policy": t_policy, "env": t_env, "total": time.monotonic() - t0}
     if env_reason:
         traj.timings["env_error"] = env_reason
+        traj.timings["env_error_detail"] = env_detail[:ENV_DETAIL_CHARS]
     metrics.ROLLOUT_EPISODES.labels(kind.value, traj.status.value).inc()
     metrics.ROLLOUT_EPISODE_SECONDS.labels(kind.value).observe(traj.timings["total"])
     return traj

@@ -31,7 +31,8 @@ nothing about which environment it plays:
   of filling Redis. Only undelivered entries count: the learner keeps the entries of its
   last `checkpoint_every` updates pending until the checkpoint, and they clear only after
   updates that need new trajectories; counting them could stall both sides;
-- a group that fails (an engine outage, a task its environment cannot build) is
+- a group that fails (an engine outage, a task its environment cannot build: `EnvUnplayable`
+  when no episode got past the environment's reset, so nothing is pushed) is
   `nack`ed with the error: the task is left for redelivery to any worker, and after
   `infra.max_deliveries` failed deliveries it moves to `<tasks stream>:dead` with the
   last error, so one bad task never loops through the fleet forever;
@@ -74,6 +75,19 @@ HANDBACK_CONSUMER = "handed-back"
 GROUP_DONE_TTL_S = 7 * 24 * 3600
 BACKPRESSURE_POLL_S = (0.05, 2.0)  # first and longest wait between two looks at the trajectory backlog
 
+
+
+class EnvUnplayable(RuntimeError):
+    """No episode of a group got past its environment's reset (a missing or corrupt game file, a task the crash
+    book refuses): the group fails, nothing is pushed, and the task goes the way of any failed group (nacked,
+    dead-lettered with this text after `max_deliveries`), instead of a stream of empty env_error trajectories
+    as fast as the environment can fail (a moved data directory once pushed 61,000 in ten minutes)."""
+
+    def __init__(self, task: Task, trajs: list[Trajectory]):
+        where = f" ({task.game_file})" if task.game_file else ""
+        why = sorted({str(t.timings.get("env_error_detail") or t.timings.get("env_error", "?")) for t in trajs})
+        super().__init__(f"task {task.task_id}{where}: its environment failed before a first step in all "
+                         f"{len(trajs)} episodes: {'; '.join(why)[:600]}")
 
 class Policy(Protocol):
     """What the worker needs of actors/policy.py's Policy."""
@@ -263,6 +277,8 @@ class RolloutWorker:
             await self.consumer.ack([entry_id])  # pushed by a worker that died before acking
             return
         trajs = await self.run_group(task, group_id=f"{task.task_id}:{entry_id.decode()}", hold=hold)
+        if trajs and all(t.status == Status.ENV_ERROR and not t.steps for t in trajs):
+            raise EnvUnplayable(task, trajs)
         await self._push(trajs, done_key)
         await self.stats.record_group(task.task_id, [t.total_reward for t in trajs])
         if self.buffer is not None and self.env_kind == EnvKind.SYNTHETIC:

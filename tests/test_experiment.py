@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ import yaml
 from actors import dataset
 from actors.dataset import offline_settings, splits_path, splits_settings, stamp_matches, write_stamp
 from actors.envs.registry import load_or_make_splits, tasks_from_spec
+from actors.envs.textworld_env import game_file_problem
 from infra.budget import StepBudget
 from infra.config import ConfigError, load_config, settings_key
 from infra.run.artifacts import cached_model
@@ -164,6 +166,31 @@ def test_cache_keys_follow_the_settings_that_shape_each_artifact(tmp_path):
     for c in (base, same_sft, no_reasoning):  # a key change builds a new Mexp; the same key reuses it
         cached_model(mexp_sft.cache_dir(c), "Mexp", build)
     assert built == [mexp_sft.cache_dir(base), mexp_sft.cache_dir(no_reasoning)]
+
+
+@pytest.mark.slow
+def test_splits_whose_game_files_are_gone_or_damaged_are_made_again(tmp_path, caplog):
+    """Splits hold absolute game paths: a data directory moved after they were made (a chaos soak given its
+    old data under a new path) named games that no longer existed, and every episode failed at reset. Read
+    from the moved directory they are made again there, with the same tasks; a damaged game likewise."""
+    import shutil
+
+    cfg = load_config(None, ["data.textworld_games=1", "data.textworld_heldout=1", "data.textworld_families=[custom]"])
+    first = load_or_make_splits("textworld", cfg.data, tmp_path / "old")
+    shutil.move(tmp_path / "old", tmp_path / "new")
+    with caplog.at_level("WARNING"):
+        moved = load_or_make_splits("textworld", cfg.data, tmp_path / "new")
+    assert "game files are gone" in caplog.text and str(tmp_path / "old") in caplog.text
+    assert [t.task_id for t in moved.train] == [t.task_id for t in first.train]
+    files = [t.game_file for t in [*moved.train, *moved.heldout]]
+    assert all(f.startswith(str(tmp_path / "new")) and os.path.isfile(f) for f in files), files
+    with open(moved.train[0].game_file, "r+b") as f:  # a damaged game: its header's version byte zeroed
+        f.write(b"\x00")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        again = load_or_make_splits("textworld", cfg.data, tmp_path / "new")
+    assert "not a Z-machine game" in caplog.text
+    assert game_file_problem(again.train[0].game_file) is None
 
 
 @pytest.mark.slow

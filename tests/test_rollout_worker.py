@@ -271,6 +271,45 @@ async def test_a_real_worker_sets_aside_tasks_without_a_real_counterpart(redis_u
     await client.aclose()
 
 
+class MissingGameEnv(LadderEnv):
+    """The real environment of a task whose game file is gone (a data directory moved after its splits were made)."""
+
+    async def reset(self, task: Task):
+        if task.task_id == "gone":
+            raise FileNotFoundError(f"no such game file: {task.game_file}")
+        return await super().reset(task)
+
+
+async def test_a_task_no_environment_can_start_pushes_nothing_and_is_dead_lettered_by_name(redis_url):
+    """A task whose real environment fails at every reset used to come back as a group of empty env_error
+    trajectories, pushed as fast as the environment failed (61,000 in ten minutes of a soak whose data
+    directory had moved). Now the group fails: nothing is pushed, the task is nacked and, after
+    `max_deliveries`, dead-lettered with the game file and the error; the other task is played."""
+    client = connect(redis_url)
+    tasks = [Task(task_id="gone", instruction="climb", game_file="/moved/away.z8"),
+             Task(task_id="here", instruction="climb", game_file="ladder.z8")]
+    await StreamProducer(client, tasks_stream(PREFIX)).add([encode(t) for t in tasks])
+    c = ActorsConfig(group_size=2, concurrent_episodes=2, max_steps=3, env_kind="real")
+    worker = RolloutWorker("w", client, PREFIX, ScriptedPolicy(version=1), lambda: MissingGameEnv(2), c,
+                           reclaim_idle_ms=300, max_deliveries=2)
+    worker.consumer.reclaim_every = 1
+    run = asyncio.create_task(worker.run())
+    dead_stream = f"{tasks_stream(PREFIX)}:dead"
+    for _ in range(300):
+        if await client.xlen(dead_stream) and worker.groups_done:
+            break
+        await asyncio.sleep(0.1)
+    await worker.stop(drain=True)
+    await run
+    dead = await client.xrange(dead_stream)
+    assert [decode_as(f[b"d"], Task).task_id for _, f in dead] == ["gone"]
+    reason = dead[0][1][b"error"].decode()
+    assert "EnvUnplayable" in reason and "/moved/away.z8" in reason and "no such game file" in reason, reason
+    assert {t.task_id for t in await read_trajs(client)} == {"here"}  # nothing of "gone" was pushed
+    assert worker.groups_failed == 2 and worker.tasks_dead_lettered == 1
+    await client.aclose()
+
+
 async def test_a_worker_waits_while_the_learner_is_behind_and_resumes_when_it_drains(redis_url):
     """Backpressure: with more than `max_trajectory_backlog` trajectories undelivered to the learner
     group, the worker takes no task (the rest stay on the task stream); once the learner reads and

@@ -35,6 +35,7 @@ from __future__ import annotations
 import glob
 import importlib
 import inspect
+import logging
 import os
 import sys
 from importlib.metadata import entry_points
@@ -51,11 +52,13 @@ from actors.envs.gym_adapter import gym_family
 from actors.envs.browsergym_env import BrowserGymEnv, make_browsergym_tasks
 from actors.envs.env_process import EnvProcess
 from actors.envs.miniwob_env import MiniWoBEnv, make_miniwob_tasks
-from actors.envs.textworld_env import TextWorldEnv, make_textworld_tasks
+from actors.envs.textworld_env import TextWorldEnv, game_file_problem, make_textworld_tasks
 from actors.envs.textworld_grammar import consistent_actions as textworld_actions
 from actors.envs.textworld_grammar import refusal as textworld_refusal
 from actors.envs.textworld_env import tasks_from_games as textworld_tasks
 from infra.config import BUILTIN_FAMILIES, ENV_ENTRY_POINTS, ConfigError
+
+log = logging.getLogger(__name__)
 
 PLUGIN_METHODS = ("reset", "step", "close", "tasks")
 
@@ -210,7 +213,11 @@ def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: 
     path = splits_path(data_dir, kind)
     settings = splits_settings(kind, data_cfg, seed)
     if not rebuild and stamp_matches(path, settings):
-        return TaskSplits.load(path)
+        splits = TaskSplits.load(path)
+        problem = _game_files_problem(kind, splits)
+        if problem is None:
+            return splits
+        log.warning("%s: %s; making the splits again", path, problem)  # deterministic: the same tasks, files here
     if need is not None and need[1] > 0 and kind == "alfworld":
         return make_alfworld_tasks(data_dir, data_cfg.alfworld_games, data_cfg.alfworld_heldout,
                                    list(data_cfg.alfworld_task_types), seed=seed,
@@ -243,6 +250,19 @@ def load_or_make_splits(family: str, data_cfg: Any, data_dir: str | Path, seed: 
 
 
 GAME_SUFFIXES = {"textworld": (".z8", ".ulx"), "alfworld": (ALFWORLD_SUFFIX,)}
+
+
+def _game_files_problem(kind: str, splits: TaskSplits) -> str | None:
+    """Why saved splits cannot be played as they are: a game file they name is gone (the data directory was
+    moved: splits hold absolute paths) or damaged (TextWorld's load-time check); None when all are fine."""
+    files = sorted({t.game_file for t in [*splits.train, *splits.heldout] if t.game_file})
+    gone = [f for f in files if not Path(f).is_file()]
+    if gone:
+        return f"{len(gone)} of its {len(files)} game files are gone (e.g. {gone[0]})"
+    if kind == "textworld":
+        bad = next((p for f in files if (p := game_file_problem(f)) is not None), None)
+        return bad
+    return None
 
 
 def tasks_from_spec(family: str, spec: str, data_cfg: Any = None, seed: int = 0) -> list:
