@@ -216,6 +216,20 @@ class PoisonTaskPolicy(ScriptedPolicy):
         return await super().act(task, state, candidates, history, affinity_key)
 
 
+async def serve_until_a_task_is_dead_lettered(worker: RolloutWorker, client, within_s: float = 30.0) -> list:
+    """Run `worker` until a task is dead-lettered and a group is done (or `within_s`); the dead-letter entries."""
+    worker.consumer.reclaim_every = 1
+    run = asyncio.create_task(worker.run())
+    dead_stream = f"{tasks_stream(PREFIX)}:dead"
+    for _ in range(int(within_s / 0.1)):
+        if await client.xlen(dead_stream) and worker.groups_done:
+            break
+        await asyncio.sleep(0.1)
+    await worker.stop(drain=True)
+    await run
+    return await client.xrange(dead_stream)
+
+
 async def test_a_task_that_always_fails_is_nacked_then_dead_lettered_and_others_are_served(redis_url):
     """Bounded redelivery on the task stream: `max_deliveries` failed groups, then `<tasks>:dead` with
     the error; the worker keeps serving the healthy task meanwhile."""
@@ -224,16 +238,7 @@ async def test_a_task_that_always_fails_is_nacked_then_dead_lettered_and_others_
     c = ActorsConfig(group_size=2, concurrent_episodes=2, max_steps=3)
     worker = RolloutWorker("w", client, PREFIX, PoisonTaskPolicy(), lambda: LadderEnv(2), c, reclaim_idle_ms=300,
                            max_deliveries=3)
-    worker.consumer.reclaim_every = 1
-    run = asyncio.create_task(worker.run())
-    dead_stream = f"{tasks_stream(PREFIX)}:dead"
-    for _ in range(200):
-        if await client.xlen(dead_stream) and worker.groups_done:
-            break
-        await asyncio.sleep(0.1)
-    await worker.stop(drain=True)
-    await run
-    dead = await client.xrange(dead_stream)
+    dead = await serve_until_a_task_is_dead_lettered(worker, client)
     assert len(dead) == 1 and decode_as(dead[0][1][b"d"], Task).task_id == "task0"
     reason = dead[0][1][b"error"].decode()
     assert reason.startswith("MaxDeliveries: handled 3 times") and "engine rejected the prompt" in reason
@@ -292,16 +297,7 @@ async def test_a_task_no_environment_can_start_pushes_nothing_and_is_dead_letter
     c = ActorsConfig(group_size=2, concurrent_episodes=2, max_steps=3, env_kind="real")
     worker = RolloutWorker("w", client, PREFIX, ScriptedPolicy(version=1), lambda: MissingGameEnv(2), c,
                            reclaim_idle_ms=300, max_deliveries=2)
-    worker.consumer.reclaim_every = 1
-    run = asyncio.create_task(worker.run())
-    dead_stream = f"{tasks_stream(PREFIX)}:dead"
-    for _ in range(300):
-        if await client.xlen(dead_stream) and worker.groups_done:
-            break
-        await asyncio.sleep(0.1)
-    await worker.stop(drain=True)
-    await run
-    dead = await client.xrange(dead_stream)
+    dead = await serve_until_a_task_is_dead_lettered(worker, client)
     assert [decode_as(f[b"d"], Task).task_id for _, f in dead] == ["gone"]
     reason = dead[0][1][b"error"].decode()
     assert "EnvUnplayable" in reason and "/moved/away.z8" in reason and "no such game file" in reason, reason
