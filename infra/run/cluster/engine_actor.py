@@ -114,7 +114,11 @@ def start_role_engine(cfg: EngineConfig, role: str, model: str, cluster_resource
     if cfg.device.startswith("cuda"):
         opts["num_gpus"] = 1
     actor = EmbeddedEngineActor.options(**opts).remote(asdict(cfg), model, None, weights_roots, port, weight_version)
-    return actor, ray.get(actor.start.remote())
+    try:
+        return actor, ray.get(actor.start.remote())
+    except BaseException:  # an actor that could not serve would hold its CPUs (and GPU) for nothing
+        ray.kill(actor)
+        raise
 
 
 class EngineSupervisor:
@@ -163,7 +167,11 @@ class EngineSupervisor:
             return self.start(port, None, 0)
         path, version = latest
         log.warning("the replacement on port %d serves the published weights v%d (%s)", port, version, path)
-        return self.start(port, str(path.resolve()), version)
+        try:
+            return self.start(port, str(path.resolve()), version)
+        except Exception:  # pruned while it loaded (learner.keep_weights): the learner's catch-up brings them
+            log.exception("the replacement could not load v%d; it serves the model it was started with", version)
+            return self.start(port, None, 0)
 
     async def aclose(self) -> None:
         self._stop.set()
