@@ -395,7 +395,8 @@ def main() -> int:
         server.stop()
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    rss = {labels.get(pid, f"?-{pid}"): samples for pid, samples in rss.items()}
+    # a process gone between listing and its first reading leaves no sample
+    rss = {labels.get(pid, f"?-{pid}"): samples for pid, samples in rss.items() if samples}
     return report(args, kills, restarts, rss, watch, figures, summary, rc, at(), job.startup_s)
 
 
