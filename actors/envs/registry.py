@@ -260,8 +260,7 @@ def _game_files_problem(kind: str, splits: TaskSplits) -> str | None:
     if gone:
         return f"{len(gone)} of its {len(files)} game files are gone (e.g. {gone[0]})"
     if kind == "textworld":
-        bad = next((p for f in files if (p := game_file_problem(f)) is not None), None)
-        return bad
+        return next((p for f in files if (p := game_file_problem(f)) is not None), None)
     return None
 
 

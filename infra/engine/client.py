@@ -400,8 +400,8 @@ class EngineClient:
             return []
         behind = [s for s in self.servers if s.healthy and await self._served_version(s) not in
                   (None, self._latest_weights[1])]
-        results = await asyncio.gather(*(self._catch_up(s) for s in behind))
-        return [s.url for s, ok in zip(behind, results) if ok]
+        results = await asyncio.gather(*(self._push_weights(s) for s in behind), return_exceptions=True)
+        return [s.url for s, r in zip(behind, results) if not isinstance(r, Exception)]
 
     async def _served_version(self, s: _Server) -> int | None:
         """The weight version `s` reports; None when it cannot be asked."""
