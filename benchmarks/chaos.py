@@ -14,7 +14,9 @@ workers, the learner and the policy engine are Ray actors, on a Redis this scrip
 - `job`: every process of the job (driver, Ray, actors, environments), then starts it again
   with `--resume`.
 
-Roles come in seeded shuffled rounds, so every role is hit once per five kills. This script
+Roles come in seeded shuffled rounds, so every role is hit once per five kills; a learner or job
+kill waits while entries carry a strike from the last one (two deaths inside one update is the
+poison-message rule, learner/inflight.py, which dead-letters them by design). This script
 is also the job's supervisor: a job that exits before the end, or makes no update for
 `--stall-s`, is killed whole and resumed. It prints, from the run's own records and the streams:
 trajectories pushed (every entry of the trajectory stream, read as it arrives, before the
@@ -56,6 +58,7 @@ from infra.redis_server import EmbeddedRedis  # noqa: E402 (tiny_job put the che
 from infra.schema import Trajectory, decode_as  # noqa: E402
 from infra.streams import DATA_FIELD, dead_letter_stream, tasks_stream, trajectories_stream  # noqa: E402
 from learner import checkpoint as ckpt  # noqa: E402
+from learner.inflight import InflightLedger  # noqa: E402
 from learner import trained_record  # noqa: E402
 
 ROLES = ("worker", "learner", "engine", "redis", "job")
@@ -380,6 +383,11 @@ def main() -> int:
             if now >= next_kill and not busy and job.remaining() > quiet:
                 if not order:
                     order = rng.sample(roles, len(roles))
+                # the learner's or the job's kill waits while entries carry a strike (a previous kill landed inside
+                # their update): a second death in their retrain is the poison-message rule, which dead-letters them
+                # by design (learner/inflight.py), not a delivery fault this soak looks for
+                if order[0] in ("learner", "job") and InflightLedger(run_dir).strikes:
+                    continue
                 role = order.pop(0)
                 kills.append(chaos_kill(role, job, server))
                 print(f"[{now:7.1f} s] kill -9 {role} {kills[-1].pids}  ({load()})", flush=True)
