@@ -112,6 +112,26 @@ def test_miniwob_through_browsergym_expert_random_and_invalid_actions():
 
 
 @pytest.mark.browser
+def test_a_free_text_action_fills_a_field_with_words_no_candidate_offers():
+    """Generate mode with actors.free_text_actions: `type [n] "..."` reaches BrowserGym's fill with any text, so a
+    form is fillable beyond the values MiniWoB's field extractor finds in the goal (the candidates)."""
+    async def go():
+        env = BrowserGymEnv(max_steps=4)
+        try:
+            state, info = await env.reset(Task(task_id="et", instruction="", game_file="miniwob.enter-text", seed=4))
+            box = next(str(ref) for ref, text in validate_state(state).items if text.startswith("input_text"))
+            typed = "words the goal never said"
+            assert env.accepts_free_text and not any(typed in c for c in info["candidates"])
+            res = await env.step(f'type [{box}] "{typed}"')
+            assert res.info["valid"] and res.info["browsergym_action"] == f"fill('{box}', '{typed}')"
+            assert typed in res.state and not res.done
+        finally:
+            await env.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.browser
 @pytest.mark.slow
 def test_eval_command_on_browsergym(tmp_path):
     from infra.cli import main
