@@ -134,7 +134,8 @@ def expert_chats(trajectories: Iterable[Trajectory], tokenizer, think: bool = Tr
     An episode stops at its first step whose action is not among the state's candidates (training on
     what comes after would teach a chat that says the agent's last reply was invalid)."""
     out: list[ChatExample] = []
-    cut = 0
+    cut = replies = too_long = 0
+    limit = int(layout.get("max_reply_tokens") or 0)
     for traj in trajectories:
         if not is_expert(traj) or (only_successful and not traj.success) or not traj.steps:
             continue
@@ -155,9 +156,14 @@ def expert_chats(trajectories: Iterable[Trajectory], tokenizer, think: bool = Tr
                 chats.append(ChatExample([], []))
             chats[-1].ids += [*turn.prompt_token_ids, *turn.reply_token_ids]
             chats[-1].mask += [0] * len(turn.prompt_token_ids) + [1] * len(turn.reply_token_ids)
+            replies += 1
+            too_long += bool(limit and len(turn.reply_token_ids) > limit)
         out += [c for c in chats if any(c.mask)]
     if cut:
         log.info("warm start: %d expert episodes cut at a step whose action is not among the state's items", cut)
+    if too_long:  # the policy is taught replies it could not finish: each would be an invalid step ('truncated')
+        log.warning("warm start: %d of %d expert replies are longer than actors.max_reply_tokens=%d; a policy "
+                    "writing them is cut off (an invalid step): raise actors.max_reply_tokens", too_long, replies, limit)
     return out
 
 

@@ -161,6 +161,21 @@ def test_generate_examples_mask_exactly_the_reply_tokens_in_the_workers_layout(t
     assert "Room: Hall" in rest and rest.endswith(replies[1])
 
 
+def test_expert_replies_longer_than_the_reply_limit_are_warned_about(tiny_dir, caplog):
+    from infra.engine.models import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_dir))
+    episode = expert_episode(reasoning=("a long rationale " * 12, "short"))
+    lengths = [len(tok.encode(expert_reply(s.action, s.reasoning, True), add_special_tokens=False)) for s in episode.steps]
+    limit = (lengths[0] + lengths[1]) // 2
+    assert lengths[1] <= limit < lengths[0]
+    with caplog.at_level("WARNING", logger="learner.policy_sft"):
+        expert_chats([episode], tok, think=True, max_reply_tokens=max(lengths))
+        assert "longer than" not in caplog.text
+        expert_chats([episode], tok, think=True, max_reply_tokens=limit)
+    assert f"1 of 2 expert replies are longer than actors.max_reply_tokens={limit}" in caplog.text
+
+
 def test_a_few_generate_mode_warm_start_steps_lower_the_reply_loss(tiny_dir):
     from infra.engine.models import load_tokenizer
     from learner.policy_model import PolicyModel
