@@ -9,6 +9,9 @@ references and reused by any loop. Departures from the paper:
 - The std is the population std (divide by G), with `eps` guarding tiny spreads.
 - GAE bootstraps with 0 after the last step of every episode, also for truncated
   ones (the learner has no value of the final next state).
+- Generate mode, `learner.invalid_advantage: never_positive` (not the paper's): a step whose reply named
+  no legal action keeps a negative trajectory advantage but never a positive one, so a rollout that won
+  despite an invalid reply does not reinforce that reply's tokens (`step_advantages`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,12 @@ def grpo_advantages(groups: Sequence[Sequence[float]], std_normalize: bool = Tru
     """group_advantages for each group, counting the zero-variance ones."""
     out = [group_advantages(g, std_normalize, eps) for g in groups]
     return GroupAdvantages(out, sum(1 for a in out if a is None))
+
+
+def step_advantages(advantage: float, valid: Sequence[bool], never_positive_invalid: bool = False) -> list[float]:
+    """One GRPO trajectory advantage per step: the same for every step (the paper), or, with
+    `never_positive_invalid`, at most 0 on the steps whose reply was invalid (`valid` false)."""
+    return [min(advantage, 0.0) if never_positive_invalid and not ok else advantage for ok in valid]
 
 
 def gae(rewards: Sequence[float], values: Sequence[float], gamma: float = 1.0, lam: float = 0.95,

@@ -52,7 +52,7 @@ from actors.score_mode import split_choices
 from infra import metrics
 from infra.config import LearnerConfig
 from infra.schema import Step, Trajectory
-from learner.advantages import gae
+from learner.advantages import gae, step_advantages
 from learner.guard import check_gradient, check_loss, check_weights
 from learner.losses import policy_loss, value_loss
 from learner.staleness import staleness, truncated_is_weight
@@ -295,7 +295,8 @@ def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: S
             a, ret = gae([float(s.reward) for s in r.steps], vals[j:j + m], cfg.gamma, cfg.gae_lambda)
             fixed.adv.append([t for t, c in zip(zip(a, ret, vals[j:j + m]), per_step) for _ in range(c)])
         else:
-            fixed.adv.append([(r.advantage, 0.0, 0.0)] * n)
+            a = step_advantages(r.advantage, [bool(s.valid) for s in r.steps], cfg.invalid_advantage == "never_positive")
+            fixed.adv.append([(x, 0.0, 0.0) for x, c in zip(a, per_step) for _ in range(c)])
         k, j = k + n, j + m
     return fixed
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.advantages import gae, group_advantages, grpo_advantages
+from learner.advantages import gae, group_advantages, grpo_advantages, step_advantages
 
 
 def ref_grpo(rewards, std_normalize=True, eps=1e-6):
@@ -88,3 +88,15 @@ def test_gae_outcome_reward_lambda_one_is_monte_carlo():
     assert adv == pytest.approx([0.8, 0.6, 0.4])
     with pytest.raises(ValueError):
         gae([0, 1], [0.0])
+
+
+@given(st.floats(-3, 3), st.lists(st.booleans(), min_size=1, max_size=8), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_step_advantages_match_a_loop(adv, valid, never_positive):
+    want = []
+    for ok in valid:  # every step carries the trajectory's advantage; an invalid reply never a positive one
+        if never_positive and not ok and adv > 0:
+            want.append(0.0)
+        else:
+            want.append(adv)
+    assert step_advantages(adv, valid, never_positive) == want

@@ -330,6 +330,26 @@ def test_ppo_broadcasts_each_steps_gae_to_its_tokens(tiny):
             assert x == pytest.approx(y, abs=1e-5)
 
 
+@pytest.mark.parametrize("rule", ["outcome", "never_positive"])
+def test_an_invalid_replys_tokens_never_get_a_positive_advantage_when_asked(tiny, rule):
+    model, tok = tiny
+    cfg = LearnerConfig(algo="grpo", invalid_advantage=rule)
+    batch = generate_units(model, tok, "grpo")
+    for u in batch:  # the first step of every trajectory wrote an invalid reply
+        for t in u.trajs:
+            t.steps[0].valid = False
+    rows = rows_of(batch)
+    fixed = fixed_inputs(fresh_policy(model, tok, cfg), cfg, rows, chunks_of(rows, cfg.micro_batch))
+    signs, invalid_in_winners = set(), 0
+    for r, adv in zip(rows, fixed.adv):
+        want = [(0.0 if rule == "never_positive" and not s.valid and r.advantage > 0 else r.advantage)
+                for s in r.steps for _ in trained_indices(s)]
+        assert [a for a, _, _ in adv] == pytest.approx(want)
+        signs.add(r.advantage > 0)
+        invalid_in_winners += sum(1 for s in r.steps if not s.valid and r.advantage > 0)
+    assert signs == {True, False} and invalid_in_winners > 0  # both kinds of trajectory, and the rule had work
+
+
 def test_one_update_moves_each_sampled_token_the_way_of_its_advantage(tiny):
     model, tok = tiny
     cfg = LearnerConfig(algo="grpo", aggregate="token", lr=1e-3, micro_batch=4)
