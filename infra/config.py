@@ -284,6 +284,7 @@ class LearnerConfig:
     aggregate: str = _f("sequence", "Loss averaging: 'sequence' (per trajectory, then over trajectories: GRPO) or 'token' (over all action tokens: DAPO).", _one_of("sequence", "token"))
     invalid_advantage: str = _f("outcome", "Generate mode, GRPO: the advantage of the tokens of a step whose reply named no legal action (actors.format_penalty's steps). 'outcome': the trajectory's, as every step (the paper); 'never_positive': at most 0, so a rollout that won despite an invalid reply does not reinforce that reply (learner/advantages.py step_advantages).", _one_of("outcome", "never_positive"))
     group_timeout_s: float = _f(300.0, "Train on an incomplete GRPO group after waiting this long for its missing members.", POSITIVE)
+    logprob_temperature: float = _f(1.0, "Generate mode: the temperature the learner reads the policy's log-probs at (the trained ones, the old ones, the KL reference's). 1: the old log-probs are the engine's and the update trains the untempered policy, so rollouts sampled hotter (actors.temperature > 1) are off-policy samples left uncorrected. Set it to actors.temperature to train the tempered policy that sampled them, as verl does: the old log-probs are then the learner's own pass over the batch before its first step (one forward more). Greedy evaluation is the same argmax at any temperature.", POSITIVE)
     is_cap: float = _f(2.0, "staleness_mode='importance': cap of the truncated importance weight.", POSITIVE)
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (less memory, ~30% slower); the policy warm start too.")
     device: str = _f("cpu", "Torch device of the learner's policy, its reference and the policy warm start: 'cpu', 'cuda' or 'cuda:N'. Checked when `dreamgym train` starts: a device this machine lacks is an error naming this key.", DEVICE)
@@ -483,6 +484,9 @@ def from_dict(raw: dict | None) -> Config:
         raise ConfigError("actors.action_mode: 'score' uses per-step prompts; set actors.multi_turn=false with it")
     if cfg.actors.action_mode == "generate" and not cfg.actors.multi_turn:
         raise ConfigError("actors.action_mode: 'generate' plays an episode as one chat; set actors.multi_turn=true with it")
+    if cfg.learner.logprob_temperature != 1.0 and cfg.actors.action_mode != "generate":
+        raise ConfigError("learner.logprob_temperature: only generate mode reads log-probs at a temperature; "
+                          f"actors.action_mode is {cfg.actors.action_mode!r}, so leave it at 1")
     return cfg
 
 

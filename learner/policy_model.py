@@ -202,24 +202,26 @@ class PolicyModel(nn.Module):
             hidden = hidden.index_select(0, inverse) if hidden is not None else None
         return logits, hidden, tokens
 
-    def forward_tokens(self, sequences: Sequence[TokenSequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Generate mode (learner/token_logprobs.py): (log-prob of every trained token [T], value of every
-        trained step [S] or None), one forward per chat; `last_tokens` the tokens run through the model."""
+    def forward_tokens(self, sequences: Sequence[TokenSequence],
+                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Generate mode (learner/token_logprobs.py): (log-prob of every trained token [T] at `temperature`,
+        value of every trained step [S] or None), one forward per chat; `last_tokens` the tokens run through
+        the model."""
         with self.precision.autocast():
             logp, hidden, self.last_tokens = sequence_logprobs(self.lm, sequences, self.value_head is not None,
-                                                               self.share_prefix)
+                                                               self.share_prefix, temperature)
         values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
         return logp, values
 
     @torch.no_grad()
-    def reference_token_logprobs(self, sequences: Sequence[TokenSequence]) -> torch.Tensor:
+    def reference_token_logprobs(self, sequences: Sequence[TokenSequence], temperature: float = 1.0) -> torch.Tensor:
         """The trained tokens' log-probs under the reference policy, as `forward_tokens` reads them."""
         if self.lora_rank > 0:
             with self.lm.disable_adapter(), self.precision.autocast():
-                return sequence_logprobs(self.lm, sequences, share_prefix=self.share_prefix)[0]
+                return sequence_logprobs(self.lm, sequences, share_prefix=self.share_prefix, temperature=temperature)[0]
         self.snapshot_reference()
         with self.precision.autocast():
-            return sequence_logprobs(self._ref, sequences, share_prefix=self.share_prefix)[0]
+            return sequence_logprobs(self._ref, sequences, share_prefix=self.share_prefix, temperature=temperature)[0]
 
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],

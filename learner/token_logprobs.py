@@ -12,7 +12,8 @@ policy wrote from one forward per chat.
   `input_ids + output_ids` is a prefix of its sequence (tests/test_token_logprobs.py).
 - `sequence_logprobs`: the log-prob of the token at position p is read from the logits at
   p - 1, log-softmax over the whole vocabulary at temperature 1 in fp32, as the engine's
-  `output_token_logprobs` (SGLang's too). Only the read positions hit the LM head, and a
+  `output_token_logprobs` (SGLang's too), or at `learner.logprob_temperature` (the tempered
+  policy that sampled, learner/update.py). Only the read positions hit the LM head, and a
   GRPO group's chats, which start alike (same task, same first observation), run their
   common prefix once (`learner/choice_logprobs.packed_forward`, which also serves the
   multi-turn choice mode). PPO's value head reads the last hidden state at the position
@@ -126,11 +127,11 @@ def trained_token_count(step: Any) -> int:
 
 
 def sequence_logprobs(model: Any, sequences: Sequence[TokenSequence], want_hidden: bool = False,
-                      share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+                      share_prefix: bool = True, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """(log-prob of every trained token [T], fp32, differentiable; the last hidden state at each trained
     step's value position [S, H] or None; tokens run through the model). One forward per sequence
     (a common prefix of consecutive sequences once, with `share_prefix`); sequences without a
-    trained token are not run."""
+    trained token are not run. `temperature`: the log-probs of softmax(logits / temperature)."""
     live = [s for s in sequences if s.steps]
     device = next(model.parameters()).device
     if not live:
@@ -149,16 +150,19 @@ def sequence_logprobs(model: Any, sequences: Sequence[TokenSequence], want_hidde
         base += len(seg.positions)
     index = torch.tensor(tok_rows, dtype=torch.long, device=logits.device)
     target = torch.tensor(targets, dtype=torch.long, device=logits.device)
-    logp = gather_token_logprobs(logits.index_select(0, index), target)
+    logp = gather_token_logprobs(logits.index_select(0, index), target, temperature)
     values_hidden = None
     if want_hidden:
         values_hidden = hidden.index_select(0, torch.tensor(value_rows, dtype=torch.long, device=hidden.device))
     return logp, values_hidden, tokens
 
 
-def gather_token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per row, over the whole vocabulary, temperature 1, in fp32."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.view(-1, 1)).squeeze(-1)
+def gather_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] per row, over the whole vocabulary, in fp32."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.view(-1, 1)).squeeze(-1)
 
 
 def token_logprobs(model: Any, steps: Sequence[Any]) -> list[list[float]]:

@@ -5,7 +5,9 @@ filtered, and nothing about streams, acks, versions or checkpoints:
 
 1. fixed inputs per trainable step: the old log-prob (the behaviour log-prob the
    worker recorded, or the current policy's "proximal" one for an importance-corrected
-   trajectory, with its truncated IS weight, learner/staleness.py) and the advantage
+   trajectory, with its truncated IS weight, learner/staleness.py; in generate mode with
+   `learner.logprob_temperature` != 1 the proximal one for every trajectory, read at that
+   temperature, as verl trains the tempered policy that sampled) and the advantage
    (the trajectory's group-relative advantage for GRPO, learner/advantages.py; GAE over
    the value head's estimates for PPO);
 2. for each of `epochs_per_batch` epochs and each of its `minibatches` mini-batches
@@ -225,16 +227,17 @@ def _generate_rows(rows: Sequence[Row]) -> bool:
     return any(is_generate(r) for r in rows if r.steps)
 
 
-def _forward(policy: Any, rows: Sequence[Row]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-prob of every trained token [T], value of every step [S] or None), rows in order."""
+def _forward(policy: Any, rows: Sequence[Row], temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob of every trained token [T], value of every step [S] or None), rows in order; generate
+    mode's log-probs at `temperature` (learner.logprob_temperature)."""
     if _generate_rows(rows):
-        return policy.forward_tokens(sequences_of(rows))
+        return policy.forward_tokens(sequences_of(rows), temperature)
     return policy.forward_choice(*choice_args([s for r in rows for s in r.steps]))
 
 
-def _reference(policy: Any, rows: Sequence[Row]) -> torch.Tensor:
+def _reference(policy: Any, rows: Sequence[Row], temperature: float = 1.0) -> torch.Tensor:
     if _generate_rows(rows):
-        return policy.reference_token_logprobs(sequences_of(rows))
+        return policy.reference_token_logprobs(sequences_of(rows), temperature)
     return policy.reference_logprobs(*choice_args([s for r in rows for s in r.steps]))
 
 
@@ -249,15 +252,15 @@ def _pad(sizes: Sequence[int], flat: torch.Tensor) -> torch.Tensor:
 
 
 def proximal(policy: Any, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
-             share: Share | None = None) -> tuple[list[float], list[float]]:
-    """The current policy's log-prob of every trained token and value (0 without a value head) of every
-    step, each in row order, no grad."""
+             share: Share | None = None, temperature: float = 1.0) -> tuple[list[float], list[float]]:
+    """The current policy's log-prob of every trained token (generate mode: at `temperature`) and value
+    (0 without a value head) of every step, each in row order, no grad."""
     tok = list(itertools.accumulate((row_tokens(r) for r in rows), initial=0))
     stp = list(itertools.accumulate((len(r.steps) for r in rows), initial=0))
     out = torch.zeros(tok[-1] + stp[-1], dtype=torch.float64)  # the log-probs, then the values
     for idx, counted in _runs(chunks, share):
         with torch.no_grad():
-            lp, v = _forward(policy, [rows[i] for i in idx])
+            lp, v = _forward(policy, [rows[i] for i in idx], temperature)
         if counted:
             lp = lp.double().cpu()
             v = v.double().cpu() if v is not None else None
@@ -275,21 +278,27 @@ def proximal(policy: Any, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
 
 def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
                  share: Share | None = None) -> FixedInputs:
-    """Old log-probs, importance weights and advantages, computed once before the epochs."""
+    """Old log-probs, importance weights and advantages, computed once before the epochs.
+
+    With `learner.logprob_temperature` T != 1 (generate mode) the update trains the tempered policy:
+    every row's old log-probs are the current policy's at T (the engine's are at 1, so they cannot
+    be), and a corrected row's truncated IS weight compares the current policy's log-probs at 1 with
+    the engine's, as without T."""
     fixed = FixedInputs([], [], [])
-    lp = vals = None
-    if any(r.corrected for r in rows) or cfg.algo == "ppo":
-        lp, vals = proximal(policy, rows, chunks, share)
+    temp = cfg.logprob_temperature
+    lp = vals = lp1 = None
+    if any(r.corrected for r in rows) or cfg.algo == "ppo" or temp != 1.0:
+        lp, vals = proximal(policy, rows, chunks, share, temp)
+        lp1 = proximal(policy, rows, chunks, share)[0] if temp != 1.0 and any(r.corrected for r in rows) else lp
     k = j = 0  # the row's first token, its first step
     for r in rows:
         n, m, per_step = row_tokens(r), len(r.steps), step_tokens(r)
         mu = behaviour_logprobs(r.steps) if is_generate(r) else [float(s.logprobs[0]) for s in r.steps]
         if r.corrected:
-            prox = lp[k:k + n]
-            fixed.old.append(prox)
-            fixed.isw.append([truncated_is_weight(p, b, cfg.is_cap) for p, b in zip(prox, mu)])
+            fixed.old.append(lp[k:k + n])
+            fixed.isw.append([truncated_is_weight(p, b, cfg.is_cap) for p, b in zip(lp1[k:k + n], mu)])
         else:
-            fixed.old.append(mu)
+            fixed.old.append(lp[k:k + n] if temp != 1.0 else mu)
             fixed.isw.append([1.0] * n)
         if cfg.algo == "ppo":
             a, ret = gae([float(s.reward) for s in r.steps], vals[j:j + m], cfg.gamma, cfg.gae_lambda)
@@ -316,7 +325,7 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
     sums = {"loss": 0.0, "pl": 0.0, "kl": 0.0, "vl": 0.0, "clip": 0.0, "tokens": 0}
     for idx, counted in _runs(chunks, share):
         part = [rows[i] for i in idx]
-        logp_flat, v_flat = _forward(policy, part)
+        logp_flat, v_flat = _forward(policy, part, cfg.logprob_temperature)
         tokens = int(getattr(policy, "last_tokens", 0))
         sizes = [row_tokens(r) for r in part]
         logp = _pad(sizes, logp_flat)
@@ -326,7 +335,7 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
             flat = [x if j is None else x[j] for i in idx for x in src[i]]
             return _pad(sizes, torch.tensor(flat, dtype=logp.dtype, device=logp.device))
 
-        ref = _pad(sizes, _reference(policy, part)) if cfg.kl_coef > 0 else None
+        ref = _pad(sizes, _reference(policy, part, cfg.logprob_temperature)) if cfg.kl_coef > 0 else None
         out = policy_loss(logp, table(fixed.old), table(fixed.adv, 0), mask, cfg.clip_eps, ref, cfg.kl_coef,
                           table(fixed.isw), cfg.aggregate)
         w = len(logp_flat) / total_tokens

@@ -251,3 +251,14 @@ def test_the_generate_mode_needs_one_chat_per_episode_and_a_narrow_weights_root_
     assert cfg.actors.action_mode == "generate" and cfg.engines.weights_root == str(tmp_path)
     with pytest.raises(ConfigError, match="multi_turn=true"):
         load_config(CONFIGS / "quickstart.yaml", ["actors.action_mode=generate", "actors.multi_turn=false"])
+
+
+def test_only_the_generate_mode_reads_log_probs_at_a_temperature():
+    cfg = load_config(CONFIGS / "quickstart.yaml", ["actors.action_mode=generate", "actors.multi_turn=true",
+                                                    "actors.temperature=1.5", "learner.logprob_temperature=1.5"])
+    assert cfg.learner.logprob_temperature == 1.5
+    with pytest.raises(ConfigError, match="learner.logprob_temperature: only generate mode"):
+        load_config(CONFIGS / "quickstart.yaml", ["learner.logprob_temperature=1.5"])
+    with pytest.raises(ConfigError, match="learner.logprob_temperature"):
+        load_config(CONFIGS / "quickstart.yaml", ["actors.action_mode=generate", "actors.multi_turn=true",
+                                                  "learner.logprob_temperature=0"])

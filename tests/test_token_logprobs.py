@@ -150,9 +150,9 @@ def test_a_batch_mixing_generate_and_label_mode_is_refused():
 
 # ---------------------------------------------------------------- log-probs, against one forward per token
 
-def slow_token_logprob(model, ids: list[int], p: int) -> torch.Tensor:
+def slow_token_logprob(model, ids: list[int], p: int, temperature: float = 1.0) -> torch.Tensor:
     logits = model(input_ids=torch.tensor([ids[:p]])).logits[0, -1]
-    return torch.log_softmax(logits.float(), -1)[ids[p]]
+    return torch.log_softmax(logits.float() / temperature, -1)[ids[p]]
 
 
 def slow_hidden(model, ids: list[int], upto: int) -> torch.Tensor:
@@ -211,8 +211,11 @@ def generate_units(model, tok, algo: str, seed: int = 0) -> list[Unit]:
 
 
 def slow_loss(policy: PolicyModel, cfg: LearnerConfig, units: list[Unit]) -> torch.Tensor:
-    """The token-level GRPO/PPO loss of the whole batch, one token at a time, as the issue words it."""
-    lm, ref_lm = policy.lm, policy._ref
+    """The token-level GRPO/PPO loss of the whole batch, one token at a time, as the issue words it;
+    with learner.logprob_temperature T the policy is softmax(logits / T): its log-probs, its old ones
+    (its own, no grad: the engine's are at 1) and the reference's, while a corrected trajectory's IS
+    weight compares log-probs at 1 with the engine's."""
+    lm, ref_lm, temp = policy.lm, policy._ref, cfg.logprob_temperature
     surr_rows, kl_rows, vl_terms = [], [], []
     for u in units:
         for ti, traj in enumerate(u.trajs):
@@ -236,20 +239,20 @@ def slow_loss(policy: PolicyModel, cfg: LearnerConfig, units: list[Unit]) -> tor
                 q, positions, _ = where[si]
                 s = traj.steps[si]
                 for j, p in zip(trained_indices(s), positions):
-                    lp = slow_token_logprob(lm, q.ids, p)
+                    lp = slow_token_logprob(lm, q.ids, p, temp)
                     mu = s.logprobs[j]
                     if u.corrected[ti]:
                         old = float(lp.detach())
-                        isw = min(cfg.is_cap, math.exp(old - mu))
+                        isw = min(cfg.is_cap, math.exp(float(slow_token_logprob(lm, q.ids, p)) - mu))
                     else:
-                        old, isw = mu, 1.0
+                        old, isw = (mu if temp == 1.0 else float(lp.detach())), 1.0
                     adv = u.advantages[ti] if cfg.algo == "grpo" else a[k]
                     ratio = torch.exp(lp - old)
                     surr.append(torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
                                 * isw)
                     if cfg.kl_coef > 0:
                         with torch.no_grad():
-                            ref = slow_token_logprob(ref_lm, q.ids, p)
+                            ref = slow_token_logprob(ref_lm, q.ids, p, temp)
                         kls.append(torch.exp(ref - lp) - (ref - lp) - 1)
                 if cfg.algo == "ppo":
                     vl_terms.append(0.5 * (values[k] - ret[k]) ** 2)  # old value = value: the clip is inactive
@@ -281,14 +284,15 @@ def fresh_policy(model, tok, cfg: LearnerConfig) -> PolicyModel:
     return policy
 
 
-@pytest.mark.parametrize("algo,aggregate,kl,micro_batch", [  # the whole-batch cases are slow: 15-30 s each here
-    pytest.param("grpo", "sequence", 0.0, 64, marks=pytest.mark.slow), ("grpo", "sequence", 0.0, 2),
-    pytest.param("grpo", "token", 0.1, 64, marks=pytest.mark.slow), ("grpo", "token", 0.1, 1),
-    pytest.param("ppo", "token", 0.0, 64, marks=pytest.mark.slow), ("ppo", "sequence", 0.0, 2)])
-def test_the_token_level_update_has_the_gradient_of_a_per_token_loop(tiny, algo, aggregate, kl, micro_batch):
+@pytest.mark.parametrize("algo,aggregate,kl,micro_batch,temp", [  # the whole-batch cases are slow: 15-30 s each here
+    pytest.param("grpo", "sequence", 0.0, 64, 1.0, marks=pytest.mark.slow), ("grpo", "sequence", 0.0, 2, 1.0),
+    pytest.param("grpo", "token", 0.1, 64, 1.0, marks=pytest.mark.slow), ("grpo", "token", 0.1, 1, 1.0),
+    pytest.param("ppo", "token", 0.0, 64, 1.0, marks=pytest.mark.slow), ("ppo", "sequence", 0.0, 2, 1.0),
+    ("grpo", "sequence", 0.1, 2, 1.5), pytest.param("ppo", "token", 0.0, 2, 0.7, marks=pytest.mark.slow)])
+def test_the_token_level_update_has_the_gradient_of_a_per_token_loop(tiny, algo, aggregate, kl, micro_batch, temp):
     model, tok = tiny
     cfg = LearnerConfig(algo=algo, aggregate=aggregate, kl_coef=kl, staleness_mode="importance",
-                        micro_batch=micro_batch, clip_eps=0.1)
+                        micro_batch=micro_batch, clip_eps=0.1, logprob_temperature=temp)
     batch = generate_units(model, tok, algo)
     policy = fresh_policy(model, tok, cfg)
     rows = rows_of(batch)
@@ -304,7 +308,10 @@ def test_the_token_level_update_has_the_gradient_of_a_per_token_loop(tiny, algo,
     loss.backward()
     want = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     assert out["loss"] == pytest.approx(float(loss.detach()), abs=1e-6)
-    assert 0.0 < out["clip"] < 1.0  # some tokens' ratios were clipped, some were not
+    if temp == 1.0:
+        assert 0.0 < out["clip"] < 1.0  # some tokens' ratios were clipped, some were not
+    else:  # every old log-prob is the policy's own at T: the first step's ratios are all 1
+        assert out["clip"] == 0.0
     if kl:
         assert out["kl"] > 1e-4
     assert got.keys() == want.keys() and len(got) > 10
@@ -543,10 +550,12 @@ def test_two_fsdp_ranks_accumulate_the_single_process_token_gradients(tiny, tmp_
 # ---------------------------------------------------------------- through `dreamgym train`
 
 @pytest.mark.slow
-async def test_dreamgym_train_trains_the_replies_the_workers_sampled(tiny_run, redis_url):
+@pytest.mark.parametrize("temp", [1.0, 1.5])
+async def test_dreamgym_train_trains_the_replies_the_workers_sampled(tiny_run, redis_url, temp):
     """The driver's `train` in generate mode on real TextWorld games (PPO, which keeps the tiny model's
     all-invalid, equal-reward groups that GRPO would filter): one update, and the tokens it trained are
-    exactly the reply tokens of the trajectories the workers pushed."""
+    exactly the reply tokens of the trajectories the workers pushed; also with rollouts sampled at 1.5
+    and the learner training that tempered policy (learner.logprob_temperature)."""
     import redis.asyncio as aioredis
 
     from infra.config import load_config
@@ -556,7 +565,8 @@ async def test_dreamgym_train_trains_the_replies_the_workers_sampled(tiny_run, r
 
     cfg = load_config(None, [*tiny_run, "actors.action_mode=generate", "actors.multi_turn=true",
                              "actors.max_reply_tokens=6", "actors.max_steps=2", "learner.algo=ppo",
-                             "learner.total_updates=1", "learner.warm_start_steps=0", "learner.checkpoint_every=5"])
+                             "learner.total_updates=1", "learner.warm_start_steps=0", "learner.checkpoint_every=5",
+                             f"actors.temperature={temp}", f"learner.logprob_temperature={temp}"])
     summary = await train(cfg, "gen-ppo", evaluate=False)
     assert summary["updates"] == 1
     row = summary["history"][0]
