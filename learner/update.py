@@ -287,9 +287,10 @@ def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: S
     fixed = FixedInputs([], [], [])
     temp = cfg.logprob_temperature
     lp = vals = lp1 = None
-    if any(r.corrected for r in rows) or cfg.algo == "ppo" or temp != 1.0:
+    corrected = any(r.corrected for r in rows)
+    if corrected or cfg.algo == "ppo" or temp != 1.0:
         lp, vals = proximal(policy, rows, chunks, share, temp)
-        lp1 = proximal(policy, rows, chunks, share)[0] if temp != 1.0 and any(r.corrected for r in rows) else lp
+        lp1 = proximal(policy, rows, chunks, share)[0] if temp != 1.0 and corrected else lp
     k = j = 0  # the row's first token, its first step
     for r in rows:
         n, m, per_step = row_tokens(r), len(r.steps), step_tokens(r)
