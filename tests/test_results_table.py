@@ -133,3 +133,35 @@ def test_every_row_names_the_warm_start_it_started_from(tmp_path):
     assert cells(md, "sft", "| regime |")["warm start"] == "best: 40 of 64 steps (val 76.9)"
     assert cells(md, "sft_8", "| regime |")["warm start"] == "8 steps"
     assert cells(md, "base", "| regime |")["warm start"] == "–"
+
+
+def test_repeated_regimes_are_listed_run_by_run_paired_by_seed(tmp_path):
+    """Run i of `--repeats` has infra.run_seed i-1: the 'Runs by seed' section gives each run of a repeated
+    regime its own paired Δ against the baseline (and its invalid steps where there were any), and a last
+    line averages each seed over the regimes, so a seed that helps every regime shows as a column."""
+    exp = experiment(tmp_path, {"sft": {"overrides": ["learner.total_updates=0"]}, "a": {}, "b": {}, "once": {}})
+    sft = [1, 0] * 8  # 8 of 16
+
+    def run(wins: list[int], invalid: float) -> dict:
+        s = summary(wins)
+        s["heldout_after"]["invalid_rate"] = invalid
+        return s
+
+    a = [run([1] * 12 + [0] * 4, 0.1), run([0] * 16, 0.5), run([1, 0] * 8, 0.3)]  # 12, 0, 8 of 16
+    b = [run([1] * 10 + [0] * 6, 0.2), run([1] * 4 + [0] * 12, 0.4)]  # 10, 4 of 16; no third run
+    res = results(exp, {"sft": [run(sft, 0.3)], "a": a, "b": b, "once": [run(sft, 0.3)]})
+    md = markdown(res)
+    # slow and obvious: a run's paired Δ on the same 16 tasks is its success minus the baseline's
+    assert cells(md, "a", "| regime | run 1 (seed 0)") == {
+        "regime": "a", "run 1 (seed 0)": "75.0 (+25.0; invalid 10.0)", "run 2 (seed 1)": "0.0 (-50.0; invalid 50.0)",
+        "run 3 (seed 2)": "50.0 (+0.0; invalid 30.0)", "mean": "41.7 (-8.3)"}
+    assert cells(md, "b", "| regime | run 1 (seed 0)")["run 3 (seed 2)"] == "–"
+    assert cells(md, "mean of the regimes' Δ", "| regime | run 1 (seed 0)") == {
+        "regime": "mean of the regimes' Δ", "run 1 (seed 0)": "+18.8 (2)", "run 2 (seed 1)": "-37.5 (2)",
+        "run 3 (seed 2)": "+0.0 (1)", "mean": ""}
+    with pytest.raises(AssertionError):  # a regime run once has no line there
+        cells(md, "once", "| regime | run 1 (seed 0)")
+    # score mode (no invalid step in any run) says nothing of invalid steps; one run a regime: no section
+    plain = results(exp, {"sft": [summary(sft)], "a": [summary(w) for w in ([1] * 16, sft)]})
+    assert cells(markdown(plain), "a", "| regime | run 1 (seed 0)")["run 1 (seed 0)"] == "100.0 (+50.0)"
+    assert "Runs by seed" not in markdown(results(exp, {"sft": [summary(sft)], "a": [summary(sft)]}))

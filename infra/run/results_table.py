@@ -6,7 +6,9 @@ resamples runs and tasks, actors/confidence.compare_runs), the paired difference
 compared with, real and synthetic transitions, the share of its synthetic steps that Mexp answered (the
 rest replayed real transitions of the offline data, simulator.replay_real), Mexp's fidelity, wall time;
 held-out success by slice (families seen in training, never seen, longer than training:
-infra/run/generalisation.py); and the paper's claims checked on the mean of the repeats (infra/run/claims.py).
+infra/run/generalisation.py); each repeated regime's runs one by one, by run seed (its paired difference and,
+in generate mode, its invalid steps: run i of `--repeats` has infra.run_seed i-1, so regimes pair by seed
+and a seed that helps or hurts every regime shows as a column); and the paper's claims checked on the mean of the repeats (infra/run/claims.py).
 Nothing here runs a regime.
 """
 
@@ -69,6 +71,10 @@ def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, ba
                          [b["heldout_after"].get("per_task", []) for b in baseline])
         out.update({"vs": baseline_name, "diff": d.diff, "diff_ci_low": d.ci_low, "diff_ci_high": d.ci_high,
                     "diff_tasks": d.tasks, "diff_excludes_zero": d.excludes_zero})
+        # each run alone against the baseline (all of its runs), in run-seed order
+        out["run_diffs"] = [compare_runs([r["heldout_after"].get("per_task", [])],
+                                         [b["heldout_after"].get("per_task", []) for b in baseline]).diff for r in runs]
+    out["run_invalid"] = [r["heldout_after"].get("invalid_rate") for r in runs]
     out["warm_start"] = s.get("warm_start")  # which SFT the run started from (summary.json; None without one)
     out["mexp_answered"] = mexp_answered(runs)
     if out["mexp_answered"] is None and source and (carried := mexp_answered(source)) is not None:
@@ -200,6 +206,7 @@ def markdown(res: dict) -> str:
     if res["missing"]:
         lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
     lines += generalisation.markdown_lines(res["regimes"], res["compare_to"])
+    lines += by_seed_lines(res["regimes"])
     lines += claims.markdown_lines(res.get("claims", []))
     lines += ["", f"{res['regimes'][0]['episodes'] if res['regimes'] else 0} held-out episodes per regime; "
                   "the paired Δ resamples tasks (bootstrap, 10,000 draws). A regime trained more than once "
@@ -266,3 +273,40 @@ def by_slice(r: dict) -> str:
     """A row's held-out success on the three slices, for the console: '91.7 / 50.0 / –'."""
     s = r.get("slices") or {}
     return " / ".join(_pct((s.get(k) or {}).get("success_rate")) for k in generalisation.SLICES)
+
+
+def by_seed_lines(regimes: list[dict]) -> list[str]:
+    """The section that lists each repeated regime's runs one by one, by run seed (run i: infra.run_seed i-1):
+    held-out success, the paired difference to its baseline and, where the evaluation counted them
+    (generate mode: some step was invalid), the share of invalid steps; a last line averages each seed over the regimes, so a seed
+    that helps or hurts every regime shows as a column. Empty when no regime ran more than once."""
+    repeated = [r for r in regimes if len(r.get("runs", [])) > 1]
+    if not repeated:
+        return []
+    k = max(len(r["runs"]) for r in repeated)
+    lines = ["", "## Runs by seed", "", "| regime | " + " | ".join(f"run {i + 1} (seed {i})" for i in range(k))
+             + " | mean |", "|" + "---|" * (k + 2)]
+    for r in repeated:
+        diffs, invalid = r.get("run_diffs") or [None] * len(r["runs"]), r.get("run_invalid") or []
+        if not any(invalid):  # label/score mode: every step names a candidate
+            invalid = []
+        cell = []
+        for i in range(k):
+            if i >= len(r["runs"]):
+                cell.append("–")
+                continue
+            notes = ([f"{100 * diffs[i]:+.1f}"] if diffs[i] is not None else []) + (
+                [f"invalid {_pct(invalid[i])}"] if i < len(invalid) and invalid[i] is not None else [])
+            cell.append(_pct(r["runs"][i]) + (f" ({'; '.join(notes)})" if notes else ""))
+        mean = _pct(r["success_rate"]) + (f" ({100 * r['diff']:+.1f})" if "diff" in r else "")
+        lines.append(f"| {r['regime']} | " + " | ".join(cell) + f" | {mean} |")
+    paired = [r for r in repeated if r.get("run_diffs")]
+    if len(paired) > 1:
+        seeds = [[r["run_diffs"][i] for r in paired if i < len(r["run_diffs"])] for i in range(k)]
+        lines.append("| mean of the regimes' Δ | " + " | ".join(
+            f"{100 * sum(d) / len(d):+.1f} ({len(d)})" if d else "–" for d in seeds) + " | |")
+    lines += ["", "Each cell: held-out success % (the paired Δ in points against the row's baseline, all of its "
+                  "runs; the share of invalid steps where the evaluation counted them). Run i of `--repeats` "
+                  "has `infra.run_seed` i-1: its own rollout draws and curriculum, the data and the warm start "
+                  "shared."]
+    return lines
