@@ -91,6 +91,7 @@ class UpdateStats:
     tokens: int = 0  # tokens through the model in the trained forward/backward passes (all epochs)
     action_tokens: int = 0  # tokens trained in the batch (one per step in label/score mode; the reply tokens in generate)
     resident_mb: float = 0.0  # the learner process's resident memory after the update, freed pages returned
+    invalid_share: float | None = None  # generate mode: share of the trained steps whose reply named no legal action
 
 
 @dataclass
@@ -457,4 +458,13 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConf
                        success_rate=sum(1 for t in trajs if t.success) / len(trajs), trajectories=len(trajs),
                        steps=sum(len(r.steps) for r in rows), groups=len(units),
                        mean_staleness=sum(lags) / len(lags), seconds=0.0, tokens=tokens,
-                       action_tokens=sum(row_tokens(r) for r in rows))
+                       action_tokens=sum(row_tokens(r) for r in rows), invalid_share=invalid_share(rows))
+
+
+def invalid_share(rows: Sequence[Row]) -> float | None:
+    """The share of the rows' steps whose reply named no legal action (a format drifting shows here, update by
+    update); None outside generate mode, where no step carries a reply."""
+    steps = [s for r in rows for s in r.steps]
+    if not any(s.reply for s in steps):
+        return None
+    return sum(1 for s in steps if s.invalid_reason) / len(steps)

@@ -119,6 +119,7 @@ async def test_train_in_score_mode_warm_starts_trains_and_evaluates(tiny_run, tm
     assert summary["updates"] == 1 and summary["trajectories_trained"] >= 2
     assert summary["heldout_after"]["episodes"] == 1
     assert summary["history"][0]["version"] == 1 and summary["history"][0]["loss"] == summary["history"][0]["loss"]
+    assert summary["history"][0]["invalid_share"] is None  # only generate-mode replies can name no legal action
     warm = json.loads((policy_sft.cache_dir(cfg) / "warm_start.json").read_text())
     assert warm["steps"] == 2 and warm["first_loss"] > 0
 

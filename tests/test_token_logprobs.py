@@ -582,3 +582,8 @@ async def test_dreamgym_train_trains_the_replies_the_workers_sampled(tiny_run, r
     per_traj = [sum(len(s.action_token_ids) for s in t.steps) for t in trajs]
     assert row["action_tokens"] in {sum(per_traj[:k]) for k in range(1, len(per_traj) + 1)}  # the first k pushed
     assert row["tokens"] > row["action_tokens"] > 0
+    # the update's row says how many of the steps it trained named no legal action (the tiny model: most)
+    k = next(k for k in range(1, len(per_traj) + 1) if sum(per_traj[:k]) == row["action_tokens"])
+    steps = [s for t in trajs[:k] for s in t.steps]
+    assert row["invalid_share"] == pytest.approx(sum(1 for s in steps if s.invalid_reason) / len(steps))
+    assert 0.0 <= row["clip_fraction"] <= 1.0

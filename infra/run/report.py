@@ -164,10 +164,12 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
                        traj_per_s=learner.trained / max(1e-9, history.seconds),
                        discarded=s.discarded, tokens=s.tokens, action_tokens=s.action_tokens,
                        update_s=round(s.seconds, 2),
-                       resident_mb=round(s.resident_mb))
+                       resident_mb=round(s.resident_mb), clip_fraction=s.clip_fraction,
+                       invalid_share=s.invalid_share)
+        invalid = "" if s.invalid_share is None else f" invalid {s.invalid_share:.0%}"  # generate mode
         bar.update(task, completed=s.version, info=f"loss {s.loss:.3f} reward {s.mean_reward:.2f} "
                                                     f"success {s.success_rate:.2f} stale {s.mean_staleness:.1f} "
-                                                    f"mem {s.resident_mb / 1024:.1f} GB")
+                                                    f"mem {s.resident_mb / 1024:.1f} GB{invalid}")
 
     bar.start()
     try:
