@@ -449,6 +449,9 @@ def test_repeats_run_under_their_own_names_and_pool_into_one_row(tmp_path):
     assert rows["rl"]["ci_high"] - rows["rl"]["ci_low"] > alone["ci_high"] - alone["ci_low"]
     assert "75.0 [" in (tmp_path / "runs" / "rep" / "results.md").read_text()
     assert "; 2 runs: 91.7, 58.3 |" in (tmp_path / "runs" / "rep" / "results.md").read_text()
+    # run by run, paired by run seed: rl 22/24 and 14/24 against sft's 12/24
+    assert rows["rl"]["run_seeds"] == [0, 1] and rows["rl"]["run_diffs"] == pytest.approx([10 / 24, 2 / 24])
+    assert "| rl | 91.7 (+41.7) | 58.3 (+8.3) | 75.0 (+25.0) |" in (tmp_path / "runs" / "rep" / "results.md").read_text()
     bad = subprocess.run([*cmd, "--repeats", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--repeats must be at least 1" in bad.stdout + bad.stderr
 

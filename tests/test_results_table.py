@@ -161,6 +161,11 @@ def test_repeated_regimes_are_listed_run_by_run_paired_by_seed(tmp_path):
         "run 3 (seed 2)": "+0.0 (1)", "mean": ""}
     with pytest.raises(AssertionError):  # a regime run once has no line there
         cells(md, "once", "| regime | run 1 (seed 0)")
+    # a run that did not finish is a gap, not a shift: runs_of names each summary's run seed
+    gap = results(exp, {"sft": [run(sft, 0.3)], "a": [{**a[0], "run_seed": 0}, {**a[2], "run_seed": 2}]})
+    assert cells(markdown(gap), "a", "| regime | run 1 (seed 0)") == {
+        "regime": "a", "run 1 (seed 0)": "75.0 (+25.0; invalid 10.0)", "run 3 (seed 2)": "50.0 (+0.0; invalid 30.0)",
+        "mean": "62.5 (+12.5)"}
     # score mode (no invalid step in any run) says nothing of invalid steps; one run a regime: no section
     plain = results(exp, {"sft": [summary(sft)], "a": [summary(w) for w in ([1] * 16, sft)]})
     assert cells(markdown(plain), "a", "| regime | run 1 (seed 0)")["run 1 (seed 0)"] == "100.0 (+50.0)"

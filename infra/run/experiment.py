@@ -246,13 +246,15 @@ def regime_named(exp: Experiment, name: str) -> Regime:
 
 
 def runs_of(exp: Experiment, regime: Regime) -> list[dict]:
-    """The summaries of a regime's finished runs: the regime's own, then its repeats' in order."""
+    """The summaries of a regime's finished runs: the regime's own, then its repeats' in order, each with
+    the `run_seed` it ran with (run i: i-1), which a missing run would otherwise shift."""
     found = [(1, regime)]
     for path in run_dir(exp).glob(f"{regime.name}.r*"):
         base, i = split_run_name(path.name)
         if base == regime.name and i > 1:
             found.append((i, repeat(regime, i)))
-    return [s for _, r in sorted(found, key=lambda x: x[0]) if (s := finished(exp, r)) is not None]
+    return [{**s, "run_seed": i - 1} for i, r in sorted(found, key=lambda x: x[0])
+            if (s := finished(exp, r)) is not None]
 
 
 def run_regime(exp: Experiment, regime: Regime, console: Console, resume: bool = False) -> dict:

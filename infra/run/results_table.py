@@ -75,6 +75,7 @@ def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, ba
         out["run_diffs"] = [compare_runs([r["heldout_after"].get("per_task", [])],
                                          [b["heldout_after"].get("per_task", []) for b in baseline]).diff for r in runs]
     out["run_invalid"] = [r["heldout_after"].get("invalid_rate") for r in runs]
+    out["run_seeds"] = [r.get("run_seed", i) for i, r in enumerate(runs)]  # runs_of says; else their order
     out["warm_start"] = s.get("warm_start")  # which SFT the run started from (summary.json; None without one)
     out["mexp_answered"] = mexp_answered(runs)
     if out["mexp_answered"] is None and source and (carried := mexp_answered(source)) is not None:
@@ -278,35 +279,41 @@ def by_slice(r: dict) -> str:
 def by_seed_lines(regimes: list[dict]) -> list[str]:
     """The section that lists each repeated regime's runs one by one, by run seed (run i: infra.run_seed i-1):
     held-out success, the paired difference to its baseline and, where the evaluation counted them
-    (generate mode: some step was invalid), the share of invalid steps; a last line averages each seed over the regimes, so a seed
-    that helps or hurts every regime shows as a column. Empty when no regime ran more than once."""
+    (generate mode: some step was invalid), the share of invalid steps; a last line averages each seed over the
+    regimes, so a seed that helps or hurts every regime shows as a column. Empty when no regime ran more than once."""
     repeated = [r for r in regimes if len(r.get("runs", [])) > 1]
     if not repeated:
         return []
-    k = max(len(r["runs"]) for r in repeated)
-    lines = ["", "## Runs by seed", "", "| regime | " + " | ".join(f"run {i + 1} (seed {i})" for i in range(k))
-             + " | mean |", "|" + "---|" * (k + 2)]
+
+    def seeds_of(r: dict) -> list[int]:
+        return r.get("run_seeds") or list(range(len(r["runs"])))
+
+    seeds = sorted({k for r in repeated for k in seeds_of(r)})
+    lines = ["", "## Runs by seed", "", "| regime | " + " | ".join(f"run {k + 1} (seed {k})" for k in seeds)
+             + " | mean |", "|" + "---|" * (len(seeds) + 2)]
+    by_seed: dict[int, list[float]] = {k: [] for k in seeds}  # the regimes' paired Δ, seed by seed
     for r in repeated:
         diffs, invalid = r.get("run_diffs") or [None] * len(r["runs"]), r.get("run_invalid") or []
         if not any(invalid):  # label/score mode: every step names a candidate
             invalid = []
+        at = {k: i for i, k in enumerate(seeds_of(r))}
         cell = []
-        for i in range(k):
-            if i >= len(r["runs"]):
+        for k in seeds:
+            if (i := at.get(k)) is None:
                 cell.append("–")
                 continue
             notes = ([f"{100 * diffs[i]:+.1f}"] if diffs[i] is not None else []) + (
                 [f"invalid {_pct(invalid[i])}"] if i < len(invalid) and invalid[i] is not None else [])
             cell.append(_pct(r["runs"][i]) + (f" ({'; '.join(notes)})" if notes else ""))
+            if diffs[i] is not None:
+                by_seed[k].append(diffs[i])
         mean = _pct(r["success_rate"]) + (f" ({100 * r['diff']:+.1f})" if "diff" in r else "")
         lines.append(f"| {r['regime']} | " + " | ".join(cell) + f" | {mean} |")
-    paired = [r for r in repeated if r.get("run_diffs")]
-    if len(paired) > 1:
-        seeds = [[r["run_diffs"][i] for r in paired if i < len(r["run_diffs"])] for i in range(k)]
+    if sum(1 for r in repeated if r.get("run_diffs")) > 1:
         lines.append("| mean of the regimes' Δ | " + " | ".join(
-            f"{100 * sum(d) / len(d):+.1f} ({len(d)})" if d else "–" for d in seeds) + " | |")
+            f"{100 * sum(d) / len(d):+.1f} ({len(d)})" if d else "–" for d in by_seed.values()) + " | |")
     lines += ["", "Each cell: held-out success % (the paired Δ in points against the row's baseline, all of its "
                   "runs; the share of invalid steps where the evaluation counted them). Run i of `--repeats` "
                   "has `infra.run_seed` i-1: its own rollout draws and curriculum, the data and the warm start "
-                  "shared."]
+                  "shared; a run not finished is a gap."]
     return lines
