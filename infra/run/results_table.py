@@ -8,7 +8,8 @@ rest replayed real transitions of the offline data, simulator.replay_real), Mexp
 held-out success by slice (families seen in training, never seen, longer than training:
 infra/run/generalisation.py); each repeated regime's runs one by one, by run seed (its paired difference and,
 in generate mode, its invalid steps: run i of `--repeats` has infra.run_seed i-1, so regimes pair by seed
-and a seed that helps or hurts every regime shows as a column); and the paper's claims checked on the mean of the repeats (infra/run/claims.py).
+and a seed that helps or hurts every regime shows as a column); and the paper's claims checked on the mean of
+the repeats (infra/run/claims.py).
 Nothing here runs a regime.
 """
 
@@ -284,11 +285,7 @@ def by_seed_lines(regimes: list[dict]) -> list[str]:
     repeated = [r for r in regimes if len(r.get("runs", [])) > 1]
     if not repeated:
         return []
-
-    def seeds_of(r: dict) -> list[int]:
-        return r.get("run_seeds") or list(range(len(r["runs"])))
-
-    seeds = sorted({k for r in repeated for k in seeds_of(r)})
+    seeds = sorted({k for r in repeated for k in r["run_seeds"]})
     lines = ["", "## Runs by seed", "", "| regime | " + " | ".join(f"run {k + 1} (seed {k})" for k in seeds)
              + " | mean |", "|" + "---|" * (len(seeds) + 2)]
     by_seed: dict[int, list[float]] = {k: [] for k in seeds}  # the regimes' paired Δ, seed by seed
@@ -296,7 +293,7 @@ def by_seed_lines(regimes: list[dict]) -> list[str]:
         diffs, invalid = r.get("run_diffs") or [None] * len(r["runs"]), r.get("run_invalid") or []
         if not any(invalid):  # label/score mode: every step names a candidate
             invalid = []
-        at = {k: i for i, k in enumerate(seeds_of(r))}
+        at = {k: i for i, k in enumerate(r["run_seeds"])}
         cell = []
         for k in seeds:
             if (i := at.get(k)) is None:
