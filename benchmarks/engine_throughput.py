@@ -8,7 +8,7 @@ measured within this run, never across runs):
    2 x parameters FLOPs per token);
 2. sequential `model.generate` (the baseline a worker without an engine has);
 3. the embedded engine at 1, 4 and 16 concurrent requests (distinct prompts), and
-   its share of the bound;
+   its share of the bound; on a GPU (`graphs`) with engines.cuda_graphs off and on;
 4. a GRPO-shaped workload, prefix cache off vs on: `--tasks` tasks x `--group` rollouts,
    each a 2-turn episode whose prompt is a long shared task prefix (instructions and
    retrieved examples), a rollout-specific action, then on turn 2 the reply and a
@@ -80,7 +80,7 @@ PRESETS = {
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                      num_key_value_heads=8, vocab_size=49152, max_position_embeddings=4096),
 }
-SECTIONS = ("bound", "sequential", "engine", "grpo", "threads", "dtypes", "sampler", "scoring", "compare", "speculative",
+SECTIONS = ("bound", "sequential", "engine", "graphs", "grpo", "threads", "dtypes", "sampler", "scoring", "compare", "speculative",
             "replicas")
 
 TOPICS = ["a lighthouse", "the moon", "a robot cook", "an old map", "a quiet library", "a mountain village",
@@ -479,6 +479,12 @@ async def run_benchmark(args: argparse.Namespace, model, tok, label: str) -> Non
                       f"pool threads {alone:7.1f} requests/s, batched queue {batched:7.1f} requests/s; largest "
                       f"log-prob gap {gap:.1e}  {la()}")
                 ratios.append(f"scoring ({shape}): batched / alone {batched / alone:.2f}x")
+        if "graphs" in sections and not cpu:  # engines.cuda_graphs, on the same prompts
+            for c in levels:
+                got = {g: await engine_at(c, cfg=EngineConfig(prefix_cache_mb=0, cuda_graphs=g)) for g in (False, True)}
+                print(f"embedded engine, {c:2d} concurrent, eager / CUDA-graph decode steps: {got[False]:8.1f} / "
+                      f"{got[True]:8.1f} tokens/s = {got[True] / got[False]:5.2f}x (goal at 64: >= 10,000 tokens/s)  {la()}")
+                ratios.append(f"CUDA graphs / eager @{c} {got[True] / got[False]:.2f}x")
         if "speculative" in sections:
             from infra.engine.models import load_model
 
@@ -543,7 +549,7 @@ async def main(args: argparse.Namespace) -> None:
     from infra.engine.models import load_model
 
     tmp = None
-    name, dtype = args.model, "float32"
+    name, dtype = args.model, "float32" if args.device == "cpu" else "bfloat16"  # as the GPU leases serve
     if args.random_init:
         tmp = tempfile.mkdtemp(prefix="dreamgym-randinit-")
         name, dtype = random_init_model(args.random_init, args.tokenizer, tmp), "bfloat16"

@@ -77,6 +77,8 @@ class EngineServerMetrics:
         self.server_tokens = Counter("engine_server_generated_tokens_total", "Tokens the embedded engine generated.", registry=r)
         self.draft_tokens = Counter("engine_speculative_draft_tokens_total", "Prompt-lookup draft tokens the embedded engine verified (engines.speculative_tokens).", registry=r)
         self.accepted_tokens = Counter("engine_speculative_accepted_tokens_total", "Draft tokens the model's greedy choice agreed with (each saves a decode step).", registry=r)
+        self.graph_steps = Counter("engine_decode_graph_steps_total", "Decode steps the embedded engine replayed as CUDA graphs (engines.cuda_graphs).", registry=r)
+        self.graph_captures = Counter("engine_decode_graph_captures_total", "CUDA graphs of the decode step captured (one per batch bucket, again after the KV buffer grows or the weights change).", registry=r)
         for reason in ("unauthorized", "invalid", "queue_full", "body_too_large", "weights_path"):
             self.rejected.labels(reason=reason)
 

@@ -6,9 +6,10 @@
 #   2: the GGUF joined and checked, the data unpacked; the sft regime (needs no MiniLM), then the
 #      Mexp SFT checkpoint of MEXP_REGIME (its retrieval reads the embeddings that travel with the
 #      data; a text missing from them would need MiniLM, and call 3 then builds it instead), then
-#      `pytest -m gpu` (the bf16 learner on CUDA; it needs SmolLM2's tokenizer, joined here).
+#      `pytest -m gpu` (the bf16 learner and the decode step's CUDA graphs; they need SmolLM2's tokenizer, joined here).
 #   3: MiniLM upcast to fp32; the RL regimes, then the results.
 # PY picks the interpreter (python3 there); EXP the experiment file; ONLY the regimes of call 3;
+# BENCH_GRAPHS=SECONDS adds engine_throughput's graphs section (SmolLM2 bf16, eager vs CUDA graphs) to call 2,
 # BENCH_SPECULATIVE=SECONDS adds engine_throughput's speculative section on the lease's Mexp to call 3,
 # SFT_TIMEOUT the sft regime's limit in call 2 (200 s; textworld_long_lease.yaml's early-stopped one needs more),
 # FIDELITY=SECONDS a 96-step `dreamgym fidelity` of that Mexp with and without the reward check.
@@ -58,7 +59,11 @@ cfg = load_config(exp.base, exp.overrides + regime.overrides)
 print(mexp_checkpoint(cfg, prepare_data(cfg)[1]))
 PY
   log "the gpu-marked tests (the bf16 learner on CUDA; skipped without it)"
-  timeout 90 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_precision.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -4
+  timeout 120 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_precision.py tests/test_engine_decode_graph.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -4
+  if [ -n "${BENCH_GRAPHS:-}" ]; then  # SmolLM2's decode steps, eager against CUDA graphs (goal: >= 10,000 tokens/s at 64)
+    PYTHONPATH=$site:. timeout ${BENCH_GRAPHS} $PY benchmarks/engine_throughput.py --device cuda --sections graphs --concurrency 1,16,64 \
+        --tokens 128 --rounds 2 2>&1 | tee "$OUT/graphs.log" | grep -v "^\s*$" | tail -8
+  fi
   keep; log "done"
   ;;
 3)

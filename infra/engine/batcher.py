@@ -23,6 +23,9 @@ keeps the drafts its greedy choices agree with, and the cells of the rest are ma
 row's tokens may sit in non-adjacent columns (`SlotCache.live_columns` finds them for the prefix
 cache). Sampled rows ride along with no drafts. Outputs are the greedy outputs.
 
+On a GPU the other steps replay CUDA graphs, one per batch-size bucket (`decode_graphs='cuda'`,
+engines.cuda_graphs; infra/engine/decode_graph.py says how their step departs from this one).
+
 Isolation: a request that fails alone (its sampling, its prefill) fails alone: the
 others in the batch go on. Only a failure of the batched decode forward fails every
 running request. The queue is bounded (`max_queue`): beyond it `submit` raises
@@ -56,6 +59,7 @@ from typing import Any
 
 import torch
 
+from infra.engine.decode_graph import DecodeGraphs
 from infra.engine.kv import SlotCache
 from infra.engine.prefix_cache import PrefixCache, common_prefix_length
 from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFull, RequestError, RequestFailed,
@@ -81,7 +85,7 @@ class Batcher:
     def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0,
                  max_prefill_tokens: int = 4096, prefix_cache_mb: float = 0.0, max_queue: int = 1024,
                  metrics: EngineServerMetrics | None = None, score_batch_tokens: int = -1,
-                 speculative_tokens: int = 0, threads: int = 0):
+                 speculative_tokens: int = 0, threads: int = 0, decode_graphs: str = "off"):
         self.model = model
         # Torch threads of the decode and scoring threads (0: as the starting thread had them); set_threads.
         self.threads = threads
@@ -111,6 +115,9 @@ class Batcher:
         self._slots: SlotCache | None = None
         self._next: torch.Tensor | None = None  # [n] token each row feeds at the next step
         self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2 ** 20), _kv_bytes_per_token(model))
+        # Plain decode steps as CUDA graphs per batch bucket ('cuda'), or their static step run eagerly ('eager').
+        self.graphs = (DecodeGraphs(model, self.pad_id, max_batch_size, decode_graphs, self.metrics)
+                       if decode_graphs != "off" else None)
         self.steps = 0
         self.max_batch_seen = 0
         self.requests_total = 0
@@ -255,6 +262,8 @@ class Batcher:
         self.metrics.weight_version.set(version)
         self.device = model_device(model)
         self._slots = None  # shapes or dtype may differ
+        if self.graphs is not None:
+            self.graphs.reset(model)
         self.prefix_cache = PrefixCache(self.prefix_cache.budget_bytes, _kv_bytes_per_token(model))
         self.metrics.prefix_cache_bytes.set(0)
         fut.set_result(version)
@@ -356,9 +365,10 @@ class Batcher:
         slots.ensure_free_column()
         end = slots.end
         slots.mask[:n, end] = True
-        slots.window(0, n, end, end + 1, slots.start)
-        mask4d = slots.mask[:n, None, None, slots.start:end + 1]
-        logits = self._forward(self._next[:, None], mask4d, slots.pos[:n, None])
+        logits = self.graphs.step(slots, self._next, n) if self.graphs is not None else None
+        if logits is None:  # eager: the live window only
+            slots.window(0, n, end, end + 1, slots.start)
+            logits = self._forward(self._next[:, None], slots.mask[:n, None, None, slots.start:end + 1], slots.pos[:n, None])
         slots.pos[:n] += 1
         slots.end = end + 1
         self.steps += 1

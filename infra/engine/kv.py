@@ -95,8 +95,19 @@ class SlotCache:
                 self._relayout(max(2 * self.cols, self.end - self.start + count), 0)
 
     def _relayout(self, cols: int, shift: int) -> None:
-        """A new buffer of `cols` columns with the live content moved by `shift` columns."""
+        """The live content moved by `shift` columns, into a new buffer of `cols` columns; in place when
+        the size stays, so the buffer keeps its address (the decode step's CUDA graphs hold it)."""
         s, e = self.start, self.end
+        if cols == self.cols:
+            if self.n and e > s:
+                live, live_mask = self.kv[:, :, :self.n, :, s:e].clone(), self.mask[:self.n, s:e].clone()
+                self.mask.zero_()
+                self.kv[:, :, :self.n, :, s + shift:e + shift] = live
+                self.mask[:self.n, s + shift:e + shift] = live_mask
+            else:
+                self.mask.zero_()
+            self.start, self.end = s + shift, e + shift
+            return
         kv = torch.zeros(self.kv.shape[:4] + (cols,) + self.kv.shape[5:], dtype=self.dtype, device=self.device)
         mask = torch.zeros((self.rows, cols), dtype=torch.bool, device=self.device)
         if self.n and e > s:

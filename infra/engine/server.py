@@ -425,7 +425,8 @@ async def start_embedded_engine(model: str = "smollm2", host: str = "127.0.0.1",
     threads = apply_threads(device, e.threads) if device.startswith("cpu") else 0
     batcher = Batcher(m, tok, max_batch_size=max_batch_size, weight_version=weight_version,
                       prefix_cache_mb=e.prefix_cache_mb, max_queue=e.max_queue, score_batch_tokens=e.score_batch_tokens,
-                      speculative_tokens=e.speculative_tokens, threads=threads)
+                      speculative_tokens=e.speculative_tokens, threads=threads,
+                      decode_graphs="cuda" if e.cuda_graphs and device.startswith("cuda") else "off")
     batcher.start()
     engine = EngineApp(batcher, model, dtype, default_max_new_tokens, device, api_key=e.api_key,
                        weights_roots=weights_roots if weights_roots is not None else default_weights_roots(model),
