@@ -371,12 +371,15 @@ class Batcher:
             logits = self._forward(self._next[:, None], slots.mask[:n, None, None, slots.start:end + 1], slots.pos[:n, None])
         slots.pos[:n] += 1
         slots.end = end + 1
-        self.steps += 1
-        self.max_batch_seen = max(self.max_batch_seen, n)
-        self.metrics.batch_size.observe(n)
+        self._count_step(n)
         keep = self._sample_and_advance(list(range(n)), logits, insert=True)
         self._next_tokens()
         self._keep(keep)
+
+    def _count_step(self, n: int) -> None:
+        self.steps += 1
+        self.max_batch_seen = max(self.max_batch_seen, n)
+        self.metrics.batch_size.observe(n)
 
     def _remember(self, row: int, seq: list[int], end: int) -> None:
         """Offer the KV of `seq`, held by `row` in its first live columns before `end`, to the prefix cache."""
@@ -430,9 +433,7 @@ class Batcher:
             slots.mask[i, end + 1 + j:end + k + 1] = False  # rejected drafts' KV
         slots.pos[:n] += torch.tensor(acc, device=self.device) + 1
         slots.end = end + k + 1
-        self.steps += 1
-        self.max_batch_seen = max(self.max_batch_seen, n)
-        self.metrics.batch_size.observe(n)
+        self._count_step(n)
         self.metrics.draft_tokens.inc(sum(len(d) for d in drafts))
         self.metrics.accepted_tokens.inc(sum(acc))
         rows = torch.arange(n, device=self.device)

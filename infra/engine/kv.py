@@ -99,13 +99,10 @@ class SlotCache:
         the size stays, so the buffer keeps its address (the decode step's CUDA graphs hold it)."""
         s, e = self.start, self.end
         if cols == self.cols:
-            if self.n and e > s:
-                live, live_mask = self.kv[:, :, :self.n, :, s:e].clone(), self.mask[:self.n, s:e].clone()
-                self.mask.zero_()
-                self.kv[:, :, :self.n, :, s + shift:e + shift] = live
-                self.mask[:self.n, s + shift:e + shift] = live_mask
-            else:
-                self.mask.zero_()
+            live, live_mask = self.kv[:, :, :self.n, :, s:e].clone(), self.mask[:self.n, s:e].clone()
+            self.mask.zero_()
+            self.kv[:, :, :self.n, :, s + shift:e + shift] = live
+            self.mask[:self.n, s + shift:e + shift] = live_mask
             self.start, self.end = s + shift, e + shift
             return
         kv = torch.zeros(self.kv.shape[:4] + (cols,) + self.kv.shape[5:], dtype=self.dtype, device=self.device)
