@@ -147,8 +147,9 @@ def load_experiment(path: str | Path) -> Experiment:
 
 
 # What a continuing regime may set differently from the regime it continues: settings that act only
-# after the source's run has ended (the real phase of sim-to-real).
-AFTER_THE_SOURCE = {"learner": ("s2r_real_transitions", "s2r_max_updates")}
+# after the source's run has ended (the real phase of sim-to-real: its budget, its rollouts' temperature,
+# how it picks its tasks).
+AFTER_THE_SOURCE = {"learner": ("s2r_real_transitions", "s2r_max_updates", "s2r_temperature", "s2r_selection")}
 
 
 def check_continuation(exp: Experiment, regime: Regime) -> None:
