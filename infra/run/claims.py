@@ -232,7 +232,7 @@ def check(roles: Roles, summaries: dict[str, list[dict]], identical: Collection[
         ratio = _rate(dg) / _rate(real) if _rate(real) > 0 else float("inf")
         d, vs, figures = _versus(roles.dreamgym, dg, roles.real, real)
         status, detail = decided(MET if ratio >= REAL_RATIO - 1e-9 else NOT_MET,
-                                 f"{ratio:.2f}x; paired {vs}", roles.dreamgym, roles.real, gap=d.diff)
+                                 f"{ratio:.3f}x; paired {vs}", roles.dreamgym, roles.real, gap=d.diff)
         out.append(_claim(2, text, status, detail, ratio=ratio, **figures))
 
     text = f"{roles.s2r or 'sim-to-real'} > {roles.real or 'real-environment RL'} with <= " \
