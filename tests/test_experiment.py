@@ -551,10 +551,7 @@ def test_experiment_files_are_validated_before_anything_runs(tmp_path):
     bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"continues": "a", "overrides": ["learner.lr=1e-3"]}}}))
     with pytest.raises(ConfigError, match="differ in learner.lr"):
         load_experiment(bad)
-    bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"continues": "a",
-                                                              "overrides": ["learner.s2r_real_transitions=9"]}}}))
-    assert load_experiment(bad).regimes[1].continues == "a"
-    # the real phase's own rollout temperature and task selection act after the source's run too
+    # the real phase's budget, rollout temperature and task selection act after the source's run
     bad.write_text(yaml.safe_dump({"regimes": {"a": {}, "b": {"continues": "a", "overrides": [
         "learner.s2r_real_transitions=9", "learner.s2r_temperature=1.5", "learner.s2r_selection=curriculum"]}}}))
     assert load_experiment(bad).regimes[1].continues == "a"
