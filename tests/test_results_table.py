@@ -170,3 +170,27 @@ def test_repeated_regimes_are_listed_run_by_run_paired_by_seed(tmp_path):
     plain = results(exp, {"sft": [summary(sft)], "a": [summary(w) for w in ([1] * 16, sft)]})
     assert cells(markdown(plain), "a", "| regime | run 1 (seed 0)")["run 1 (seed 0)"] == "100.0 (+50.0)"
     assert "Runs by seed" not in markdown(results(exp, {"sft": [summary(sft)], "a": [summary(sft)]}))
+
+
+def test_a_repeated_sim_to_real_reports_what_its_real_phase_added_over_all_runs(tmp_path):
+    """dreamgym_s2r after its DreamGym phase: the mean over the regime's runs, each run's gain paired on its own
+    tasks (collection 39 printed run 1's alone). Slow and obvious: the mean of each run's final minus phase."""
+    exp = experiment(tmp_path, {"sft": {"overrides": ["learner.total_updates=0"]}, "s2r": {}})
+
+    def run(phase_wins: list[int], final_wins: list[int]) -> dict:
+        between = summary(phase_wins)["heldout_after"]
+        return summary(final_wins, [{"phase": "DreamGym", "heldout_after": between}, {"phase": "sim-to-real: real env"}])
+
+    runs = [run([1] * 8 + [0] * 8, [1] * 8 + [0] * 8),  # +0 of 16
+            run([1] * 4 + [0] * 12, [1] * 8 + [0] * 8)]  # +4 of 16
+    res = results(exp, {"sft": [summary([1, 0] * 8)], "s2r": runs})
+    (b,) = next(r for r in res["regimes"] if r["regime"] == "s2r")["between_phases"]
+    assert b["runs"] == [0.5, 0.25] and b["success_rate"] == pytest.approx(0.375)
+    assert b["gain_after"]["diff"] == pytest.approx((0 + 4 / 16) / 2) and b["gain_after"]["tasks"] == 16
+    assert b["gain_after"]["ci_low"] <= b["gain_after"]["diff"] <= b["gain_after"]["ci_high"]
+    assert ('s2r after its phase "DreamGym": 37.5 % (2 runs: 50.0, 25.0) on 16 episodes; the phases after it '
+            'added +12.5 pts') in markdown(res)
+    # one run: as before, paired on its tasks alone
+    (one,) = next(r for r in results(exp, {"sft": [summary([1, 0] * 8)], "s2r": runs[1:]})["regimes"]
+                  if r["regime"] == "s2r")["between_phases"]
+    assert one["success_rate"] == 0.25 and one["gain_after"]["diff"] == pytest.approx(0.25)

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from actors.confidence import compare, compare_runs, wilson_interval
+from actors.confidence import compare, compare_runs, per_task_success, runs_bootstrap, wilson_interval
 from infra.run import claims, generalisation
 
 if TYPE_CHECKING:  # experiment.py imports this module for its command
@@ -82,18 +82,34 @@ def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, ba
     if out["mexp_answered"] is None and source and (carried := mexp_answered(source)) is not None:
         out["mexp_answered"] = {**carried, "carried_from_source": True}  # sim-to-real: its DreamGym phase's
     out["slices"] = generalisation.slices(runs, baseline if name != baseline_name else None)
-    # Sim-to-real evaluates between its phases: what its synthetic phase alone reached, and what the
-    # real phase added on the same tasks (paired).
-    out["between_phases"] = [{"after": p["phase"], "success_rate": p["heldout_after"]["success_rate"],
-                              "episodes": p["heldout_after"]["episodes"],
-                              "gain_after": _paired(after, p["heldout_after"])}
-                             for p in s.get("phases", []) if p.get("heldout_after")]
+    out["between_phases"] = between_phases(runs)
     return out
 
 
-def _paired(a: dict, b: dict) -> dict:
-    d = compare(a.get("per_task", []), b.get("per_task", []))
-    return {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks}
+def between_phases(runs: list[dict]) -> list[dict]:
+    """Sim-to-real evaluates between its phases: what its synthetic phase alone reached, and what the phases
+    after it added on the same tasks, paired within each run, then over all of the regime's runs (the mean of
+    the runs' gains, its interval resampling runs and tasks). A phase counts only in the runs that evaluated it."""
+    out = []
+    for j, p in enumerate(runs[0].get("phases", [])):
+        if not p.get("heldout_after"):
+            continue
+        pairs = [(r["heldout_after"], r["phases"][j]["heldout_after"]) for r in runs
+                 if len(r.get("phases", [])) > j and r["phases"][j].get("heldout_after")]
+        gains = [_gain(final, between) for final, between in pairs]
+        common = sorted(set.intersection(*(set(g) for g in gains)))
+        d = runs_bootstrap([[g[t] for t in common] for g in gains]) if common else compare([], [])
+        rates = [between["success_rate"] for _, between in pairs]
+        out.append({"after": p["phase"], "success_rate": sum(rates) / len(rates), "runs": rates,
+                    "episodes": p["heldout_after"]["episodes"],
+                    "gain_after": {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks}})
+    return out
+
+
+def _gain(final: dict, between: dict) -> dict[str, float]:
+    """Each task's success after all phases minus after the one phase, over the tasks both evaluated."""
+    a, b = per_task_success(final.get("per_task", [])), per_task_success(between.get("per_task", []))
+    return {t: a[t] - b[t] for t in a.keys() & b.keys()}
 
 
 def carried_seconds(source: dict) -> float:
@@ -196,9 +212,12 @@ def markdown(res: dict) -> str:
     for r in res["regimes"]:
         for b in r.get("between_phases", []):
             g = b["gain_after"]
-            lines += ["", f"{r['regime']} after its phase \"{b['after']}\": {_pct(b['success_rate'])} % on "
+            each = f" ({len(b['runs'])} runs: " + ", ".join(_pct(x) for x in b["runs"]) + ")" \
+                if len(b.get("runs", [])) > 1 else ""
+            lines += ["", f"{r['regime']} after its phase \"{b['after']}\": {_pct(b['success_rate'])} %{each} on "
                           f"{b['episodes']} episodes; the phases after it added {100 * g['diff']:+.1f} pts "
-                          f"[{100 * g['ci_low']:+.1f}, {100 * g['ci_high']:+.1f}] (paired, same tasks)."]
+                          f"[{100 * g['ci_low']:+.1f}, {100 * g['ci_high']:+.1f}] (paired, same tasks"
+                          + (", over runs and tasks)." if each else ").")]
     if res.get("anchors"):
         lines += ["", "Scripted choosers on the same held-out games: " + ", ".join(
             f"{p} {_pct(a['success_rate'])} [{_pct(a['ci_low'])}, {_pct(a['ci_high'])}]"
