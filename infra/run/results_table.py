@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from actors.confidence import compare, compare_runs, per_task_success, runs_bootstrap, wilson_interval
+from actors.confidence import PairedDifference, compare_runs, per_task_success, runs_bootstrap, wilson_interval
 from infra.run import claims, generalisation
 
 if TYPE_CHECKING:  # experiment.py imports this module for its command
@@ -98,7 +98,7 @@ def between_phases(runs: list[dict]) -> list[dict]:
                  if len(r.get("phases", [])) > j and r["phases"][j].get("heldout_after")]
         gains = [_gain(final, between) for final, between in pairs]
         common = sorted(set.intersection(*(set(g) for g in gains)))
-        d = runs_bootstrap([[g[t] for t in common] for g in gains]) if common else compare([], [])
+        d = runs_bootstrap([[g[t] for t in common] for g in gains]) if common else PairedDifference(0.0, -1.0, 1.0, 0)
         rates = [between["success_rate"] for _, between in pairs]
         out.append({"after": p["phase"], "success_rate": sum(rates) / len(rates), "runs": rates,
                     "episodes": p["heldout_after"]["episodes"],
