@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import tempfile
 import time
@@ -194,11 +195,29 @@ async def judge(client: Any, examples: list[MexpExample], records: list[dict], c
     return means
 
 
-def even_spread(examples: list, max_steps: int) -> list:
-    """At most `max_steps` of `examples`, evenly spread (all of them for 0)."""
-    if not max_steps:
+def _spread(examples: list, k: int) -> list:
+    """At most `k` of `examples`, evenly spread."""
+    return examples[::max(1, len(examples) // k)][:k] if k > 0 else []
+
+
+def even_spread(examples: list, max_steps: int, min_rewarded: float = 0.25) -> list:
+    """At most `max_steps` of `examples` (all of them for 0), evenly spread over the rewarded real
+    steps and, apart, over the unrewarded ones, in their own order.
+
+    Outcome rewards come once an episode, so a plain stride over long episodes can miss every rewarded
+    step: textworld_long's 24-step check on a lent H200 held none, and its reward accuracy said
+    nothing about reward (docs/gpu_runs.md, 2026-12-04). The rewarded steps keep their share of
+    the held-out steps, but at least `min_rewarded` of the picks while there are enough of them, so
+    the recall and precision rest on some rewarded steps; the summary's always-0 accuracy is the
+    sample's, so a Mexp that never rewards still scores what it would here."""
+    if not max_steps or len(examples) <= max_steps:
         return examples
-    return examples[::max(1, len(examples) // max_steps)][:max_steps]
+    rewarded = [ex for ex in examples if ex.truth.reward >= 0.5]
+    rest = [ex for ex in examples if ex.truth.reward < 0.5]
+    k = min(len(rewarded), max(round(max_steps * len(rewarded) / len(examples)),
+                               math.ceil(max_steps * min_rewarded)))
+    picked = {id(ex) for ex in _spread(rewarded, k) + _spread(rest, max_steps - k)}
+    return [ex for ex in examples if id(ex) in picked]
 
 
 def export_fidelity(summary: dict, weight_version: int | None = None) -> None:

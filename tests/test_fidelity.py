@@ -11,8 +11,8 @@ import pytest
 from infra.config import SimulatorConfig
 from infra.schema import Step, Task, Trajectory
 from infra import metrics
-from simulator.fidelity import (FidelityProbe, item_recall, item_tv_distance, judge, judge_scores, replay, summarize,
-                                token_f1)
+from simulator.fidelity import (FidelityProbe, even_spread, item_recall, item_tv_distance, judge, judge_scores, replay,
+                                summarize, token_f1)
 from simulator.mexp_data import build_examples
 
 REAL = "Goal: g\nRoom: Hall.\nActions:\n[1] go north\n[2] open door\n[3] take key"
@@ -92,6 +92,21 @@ def test_summarize_says_how_rare_rewards_are_predicted():
     assert math.isnan(nothing["reward_recall"]) and math.isnan(nothing["reward_precision"])
     checked = summarize([rec(1.0, 1.0), {**rec(0.0, 0.0), "contradicted": True}])  # a false reward the check undid
     assert checked["rewards_contradicted"] == 1 and checked["reward_precision"] == 1.0
+
+
+def test_the_spread_of_held_out_steps_keeps_rewarded_ones():
+    """Ten 8-step episodes, each rewarded on its last step: a plain stride of 8 would pick step 1 of
+    each and no reward; the spread takes at least a quarter of its picks among the rewarded steps."""
+    from types import SimpleNamespace as NS
+    steps = [NS(truth=NS(reward=float(i % 8 == 7)), i=i) for i in range(80)]
+    picked = even_spread(steps, 8)
+    assert len(picked) == 8 and sum(ex.truth.reward for ex in picked) == 2
+    assert [ex.i for ex in picked] == sorted(ex.i for ex in picked)  # the examples' own order
+    assert even_spread(steps, 0) == steps and even_spread(steps[:5], 8) == steps[:5]
+    common = [NS(truth=NS(reward=float(i % 2)), i=i) for i in range(80)]  # rewarded half the time: kept at half
+    assert sum(ex.truth.reward for ex in even_spread(common, 20)) == 10
+    only_one = [NS(truth=NS(reward=float(i == 40)), i=i) for i in range(80)]
+    assert [ex.i for ex in even_spread(only_one, 8) if ex.truth.reward] == [40] and len(even_spread(only_one, 8)) == 8
 
 
 @pytest.mark.slow
