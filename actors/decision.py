@@ -44,6 +44,9 @@ class PolicyDecision:
     chat_text: str = ""  # its text (for the chat's length bound and diagnostics)
     free_text: str = ""  # an unmatched action an environment that takes free text may get (actors.free_text_actions)
     format_penalty: float = 0.0  # subtracted from the reward of the step when the reply is invalid
+    # label and score mode: the temperature `logprobs` were read at (the sampling one; 1 for the argmax),
+    # so the learner reads the policy at it too and its first ratio is 1 (learner/update.py)
+    temperature: float = 1.0
 
 
 def renormalise(label_logps: Sequence[float], temperature: float = 1.0) -> list[float]:
@@ -55,10 +58,15 @@ def renormalise(label_logps: Sequence[float], temperature: float = 1.0) -> list[
     return [v - lse for v in z]
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The temperature `pick`'s log-probs are at: the sampling one, 1 for the argmax (0)."""
+    return temperature if temperature > 0 else 1.0
+
+
 def pick(raw: Sequence[float], temperature: float, rng: random.Random) -> tuple[int, list[float], list[float]]:
     """(index, log-probs, probabilities) of raw candidate scores: sampled at `temperature` (the
     behaviour log-prob is then the sampled distribution's), or the argmax at 0 (log-probs at 1)."""
-    logps = renormalise(raw, temperature if temperature > 0 else 1.0)
+    logps = renormalise(raw, logprob_temperature(temperature))
     probs = [math.exp(v) for v in logps]
     if temperature > 0:
         return rng.choices(range(len(raw)), weights=probs)[0], logps, probs

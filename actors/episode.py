@@ -98,7 +98,7 @@ def record(state: str, action: str, res: StepResult, choice: Any, default_source
                 choice_token_ids=list(getattr(choice, "choice_token_ids", [])), choice_lengths=lengths,
                 prompt_token_ids=[int(t) for t in getattr(choice, "prompt_token_ids", None) or []],
                 new_chat=bool(getattr(choice, "new_chat", False)), reply=str(getattr(choice, "reply", "") or ""),
-                invalid_reason=invalid_reason)
+                invalid_reason=invalid_reason, temperature=float(getattr(choice, "temperature", 1.0)))
 
 
 def invalid_reply(choice: Any, env: Any) -> str:

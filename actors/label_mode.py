@@ -29,7 +29,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from actors.decision import PolicyDecision, PolicyError, pick
+from actors.decision import PolicyDecision, PolicyError, logprob_temperature, pick
 from actors.prompt_text import context_lines, option_text, recent_actions
 from infra.schema import Task
 
@@ -148,4 +148,4 @@ class LabelMode:
         return PolicyDecision(action=candidates[index], index=index, prompt=prompt,
                               action_token_ids=[labels[index]], logprobs=[logps[index]],
                               choice_token_ids=labels, weight_version=int(result.weight_version), probs=probs,
-                              messages=turn.messages)
+                              messages=turn.messages, temperature=logprob_temperature(self.temperature))

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from actors.decision import PolicyDecision, pick
+from actors.decision import PolicyDecision, logprob_temperature, pick
 from actors.label_mode import MAX_CHOICES
 from actors.prompt_text import context_lines, option_text, recent_actions
 from infra.schema import Task
@@ -85,4 +85,5 @@ class ScoreMode:
         return PolicyDecision(action=candidates[index], index=index, prompt=turn.prompt,
                               action_token_ids=list(turn.continuations[index]), logprobs=[logps[index]],
                               choice_token_ids=[t for c in turn.continuations for t in c], weight_version=int(version),
-                              probs=probs, choice_lengths=[len(c) for c in turn.continuations])
+                              probs=probs, choice_lengths=[len(c) for c in turn.continuations],
+                              temperature=logprob_temperature(self.temperature))

@@ -20,7 +20,10 @@ over, so the learner recomputes exactly the same log-prob (see actors/policy.py)
 In the "score" action mode the policy scores every candidate's text by its
 log-likelihood: `choice_token_ids` holds the candidates' token ids end to end,
 `choice_lengths` their lengths, `action_token_ids` the chosen candidate's tokens, and
-`logprobs` and `loss_mask` one value each, for the choice as a whole.
+`logprobs` and `loss_mask` one value each, for the choice as a whole. In both, `temperature`
+is the one the behaviour log-prob was read at (the sampling temperature; 1 for a greedy pick),
+so the learner reads the policy at the same one (learner/update.py); a message without it
+(written before it existed) reads as 1.
 In the "generate" action mode (schema version 2) the policy writes its reply token by
 token: `action_token_ids` are the exact ids the engine sampled, `logprobs` and
 `loss_mask` one per sampled token, `prompt_token_ids` the ids this turn appended to
@@ -61,6 +64,7 @@ MAX_MAP_ITEMS = 256  # entries of Task.meta and Trajectory.timings
 MAX_ABS_REWARD = 1e6  # |reward| and |value|: outcome rewards are 0/1; squares stay finite in float32
 LOGPROB_RANGE = (-1e4, 1e-3)  # a log-prob is <= 0 (1e-3 of rounding allowed); -1e4 is already p = 0
 MAX_SECONDS = 1e7  # one timing (~116 days)
+TEMPERATURE_RANGE = (1e-3, 100.0)  # a step's log-prob temperature
 MAX_TIMESTAMP = 1e11  # created_at, Unix seconds (year 5138)
 MAX_VERSION = 2 ** 62  # policy_version and seeds fit in int64
 
@@ -146,6 +150,7 @@ class Step:
     new_chat: bool = False  # generate mode: prompt_token_ids open a fresh chat (first turn, or past the chat's bound)
     reply: str = ""  # generate mode: the text the policy wrote (<think>...</think><action>...</action>)
     invalid_reason: str = ""  # generate mode: why the reply named no legal action ("" = it did)
+    temperature: float = 1.0  # label and score mode: the temperature `logprobs` were read at (the sampling one)
 
 
 @dataclass
@@ -267,6 +272,7 @@ def _explain_step(d: dict) -> None:
     _number("value", d["value"], -MAX_ABS_REWARD, MAX_ABS_REWARD)
     _flag("done", d["done"])
     _flag("valid", d["valid"])
+    _number("temperature", d["temperature"], *TEMPERATURE_RANGE)
     n = _ints("action_token_ids", d["action_token_ids"], 0, MAX_TOKEN_ID)
     n_choices = _ints("choice_token_ids", d["choice_token_ids"], 0, MAX_TOKEN_ID)
     if _ints("choice_lengths", d["choice_lengths"], 1, MAX_TOKENS) and sum(d["choice_lengths"]) != n_choices:
@@ -311,7 +317,8 @@ def _check_step(d: dict) -> None:
         d["state"], d["action"], d["next_state"], d["reasoning"], d["policy_prompt"], d["reasoning_source"])
     reward, value, ids, lps, mask, choices = (
         d["reward"], d["value"], d["action_token_ids"], d["logprobs"], d["loss_mask"], d["choice_token_ids"])
-    lens, pids, reply, why = d["choice_lengths"], d["prompt_token_ids"], d["reply"], d["invalid_reason"]
+    lens, pids, reply, why, temp = (d["choice_lengths"], d["prompt_token_ids"], d["reply"], d["invalid_reason"],
+                                    d["temperature"])
     # score mode: one log-prob and one mask value for the choice; else one per action token
     per = 1 if type(lens) is list and lens else (len(ids) if type(ids) is list else -1)
     if not (type(state) is str and type(action) is str and type(next_state) is str and type(reasoning) is str
@@ -323,6 +330,7 @@ def _check_step(d: dict) -> None:
             and type(reward) in _NUMBER_TYPES and -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD
             and type(value) in _NUMBER_TYPES and -MAX_ABS_REWARD <= value <= MAX_ABS_REWARD
             and type(d["done"]) is bool and type(d["valid"]) is bool
+            and type(temp) in _NUMBER_TYPES and TEMPERATURE_RANGE[0] <= temp <= TEMPERATURE_RANGE[1]
             and type(ids) is list and type(choices) is list and type(lps) is list and type(mask) is list
             and len(ids) <= MAX_TOKENS and len(choices) <= MAX_TOKENS
             and type(lens) is list and (not lens or (_tokens_ok(lens) and min(lens) >= 1 and sum(lens) == len(choices)))

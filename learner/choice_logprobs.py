@@ -45,14 +45,17 @@ def choice_forward(model: Any, tokenizer: Any, prompts: Sequence[str], want_hidd
     return logits, hidden
 
 
-def gather_choice_logprobs(logits: Any, choice_token_ids: Sequence[Sequence[int]], chosen_ids: Sequence[int]):
-    """log p(chosen | labels) per row: log-softmax of the label logits, temperature 1."""
+def gather_choice_logprobs(logits: Any, choice_token_ids: Sequence[Sequence[int]], chosen_ids: Sequence[int],
+                           temperatures: Sequence[float] | None = None):
+    """log p(chosen | labels) per row: log-softmax of the label logits, at the row's temperature in
+    `temperatures` (the one its rollout sampled at), else 1."""
     rows = []
     for i, (labels, chosen) in enumerate(zip(choice_token_ids, chosen_ids)):
         labels = [int(t) for t in labels]
         if int(chosen) not in labels:
             raise ValueError(f"row {i}: chosen token {chosen} is not one of the labels {labels}")
-        row = torch.log_softmax(logits[i, labels].float(), dim=-1)
+        t = temperatures[i] if temperatures is not None else 1.0
+        row = torch.log_softmax(logits[i, labels].float() / t, dim=-1)
         rows.append(row[labels.index(int(chosen))])
     return torch.stack(rows)
 

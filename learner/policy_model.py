@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 
 def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidates: Sequence[Sequence[Sequence[int]]],
-                    chosen: Sequence[int], want_hidden: bool = False, layout: str = "padded"):
+                    chosen: Sequence[int], want_hidden: bool = False, layout: str = "padded",
+                    temperatures: Sequence[float] | None = None):
     """The learner-side twin of score mode: (log-prob of each chosen candidate [B], differentiable;
     each prompt's last hidden state [B, H] or None; tokens run through the model). Identical prompts (a GRPO group's first step)
     with the same candidates run once.
@@ -72,11 +73,12 @@ def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidat
         found = [(lps, hid[i] if want_hidden else None) for i, lps in enumerate(per_item)]
     else:
         raise ValueError(f"score layout must be 'padded', 'tree' or 'per-prompt', got {layout!r}")
-    dists = [torch.log_softmax(mean_logprobs(lps), dim=-1) for lps, _ in found]
+    means = [mean_logprobs(lps) for lps, _ in found]
     rows, hidden = [], []
-    for prompt, cands, k in zip(prompts, candidates, chosen):
+    for j, (prompt, cands, k) in enumerate(zip(prompts, candidates, chosen)):
         i = keys[(prompt, tuple(tuple(c) for c in cands))]
-        rows.append(dists[i][int(k)])
+        t = temperatures[j] if temperatures is not None else 1.0  # the row's sampling temperature
+        rows.append(torch.log_softmax(means[i] / t if t != 1.0 else means[i], dim=-1)[int(k)])
         hidden.append(found[i][1])
     return torch.stack(rows), (torch.stack(hidden) if want_hidden else None), tokens
 
@@ -135,7 +137,8 @@ class PolicyModel(nn.Module):
         return [p for p in self.parameters() if p.requires_grad]
 
     def forward_choice(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
-                       chosen_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       chosen_ids: Sequence[int], temperatures: Sequence[float] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-prob of each chosen label [B], value [B] or None).
 
         Chained prompts (one multi-turn trajectory) run as one packed sequence. Identical
@@ -144,17 +147,18 @@ class PolicyModel(nn.Module):
         the number of tokens this call ran through the model.
 
         Score mode (actors/policy.py): each `choice_token_ids` entry is the list of candidates'
-        token ids and each `chosen_ids` entry the chosen candidate's index."""
+        token ids and each `chosen_ids` entry the chosen candidate's index. `temperatures`: each row's
+        distribution over its choices at that temperature (the one its rollout sampled at), else 1."""
         if is_scored(choice_token_ids):
             with self.precision.autocast():
                 logp, hidden, self.last_tokens = scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids,
                                                                  chosen_ids, want_hidden=self.value_head is not None,
-                                                                 layout=self.score_layout)
+                                                                 layout=self.score_layout, temperatures=temperatures)
             values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
             return logp, values
         logits, hidden, self.last_tokens = self._choice_logits(self.lm, prompts, chosen_ids,
                                                                self.value_head is not None)
-        logp = gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
+        logp = gather_choice_logprobs(logits, choice_token_ids, chosen_ids, temperatures)
         values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
         return logp, values
 
@@ -225,24 +229,24 @@ class PolicyModel(nn.Module):
 
     @torch.no_grad()
     def reference_logprobs(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
-                           chosen_ids: Sequence[int]) -> torch.Tensor:
-        """Log-probs under the reference policy (the initial weights), packed like `forward_choice`."""
+                           chosen_ids: Sequence[int], temperatures: Sequence[float] | None = None) -> torch.Tensor:
+        """Log-probs under the reference policy (the initial weights), packed and tempered like `forward_choice`."""
         if is_scored(choice_token_ids):
             if self.lora_rank > 0:
                 with self.lm.disable_adapter(), self.precision.autocast():
                     return scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids, chosen_ids,
-                                           layout=self.score_layout)[0]
+                                           layout=self.score_layout, temperatures=temperatures)[0]
             self.snapshot_reference()
             with self.precision.autocast():
                 return scored_logprobs(self._ref, self.tokenizer, prompts, choice_token_ids, chosen_ids,
-                                       layout=self.score_layout)[0]
+                                       layout=self.score_layout, temperatures=temperatures)[0]
         if self.lora_rank > 0:
             with self.lm.disable_adapter():
                 logits, _, _ = self._choice_logits(self.lm, prompts, chosen_ids)
         else:
             self.snapshot_reference()
             logits, _, _ = self._choice_logits(self._ref, prompts, chosen_ids)
-        return gather_choice_logprobs(logits, choice_token_ids, chosen_ids)
+        return gather_choice_logprobs(logits, choice_token_ids, chosen_ids, temperatures)
 
     def snapshot_reference(self, force: bool = False) -> None:
         """Full fine-tuning: freeze a copy of the current weights as the reference now.

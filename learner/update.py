@@ -30,7 +30,8 @@ terms and the non-finite checks are summed over ranks too, so every rank decides
 
 Only the tokens the policy wrote train. In label and score mode a step has one: its label
 (or its chosen candidate as a whole), trainable when it carries the label, its behaviour
-log-prob, the label set and the prompt. In generate mode (issue 60) a step has as many as
+log-prob, the label set and the prompt; the policy is read at the step's sampling temperature
+(`Step.temperature`), so a rollout sampled hotter trains the tempered policy that sampled it. In generate mode (issue 60) a step has as many as
 the engine sampled for its reply (`loss_mask` 1), read from the trajectory's chats rebuilt
 from their token ids (learner/token_logprobs.py): everything in step 1 is then per token,
 the old log-prob, the truncated IS weight and the advantage (GRPO: the trajectory's on every
@@ -224,6 +225,15 @@ def choice_args(steps: Sequence[Step]) -> tuple[list[str], list, list]:
     return prompts, choices, chosen
 
 
+def choice_temperatures(steps: Sequence[Step]) -> list[float] | None:
+    """Label and score mode: each step's sampling temperature, the one its behaviour log-prob is at
+    (Step.temperature), so the policy is read at it and an update's first ratio is 1 whatever the
+    rollout temperature (learner.s2r_temperature's real phase samples hotter than the DreamGym phase
+    before it, so one setting could not fit both); None when every step sampled at 1."""
+    temps = [float(getattr(s, "temperature", 1.0)) for s in steps]
+    return temps if any(t != 1.0 for t in temps) else None
+
+
 def _generate_rows(rows: Sequence[Row]) -> bool:
     return any(is_generate(r) for r in rows if r.steps)
 
@@ -233,13 +243,15 @@ def _forward(policy: Any, rows: Sequence[Row], temperature: float = 1.0) -> tupl
     mode's log-probs at `temperature` (learner.logprob_temperature)."""
     if _generate_rows(rows):
         return policy.forward_tokens(sequences_of(rows), temperature)
-    return policy.forward_choice(*choice_args([s for r in rows for s in r.steps]))
+    steps = [s for r in rows for s in r.steps]
+    return policy.forward_choice(*choice_args(steps), temperatures=choice_temperatures(steps))
 
 
 def _reference(policy: Any, rows: Sequence[Row], temperature: float = 1.0) -> torch.Tensor:
     if _generate_rows(rows):
         return policy.reference_token_logprobs(sequences_of(rows), temperature)
-    return policy.reference_logprobs(*choice_args([s for r in rows for s in r.steps]))
+    steps = [s for r in rows for s in r.steps]
+    return policy.reference_logprobs(*choice_args(steps), temperatures=choice_temperatures(steps))
 
 
 def _pad(sizes: Sequence[int], flat: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from infra.engine.models import load_tokenizer
 from infra.engine.scoring import continuation_logprobs
 from infra.schema import Step, Task
 from learner.policy_model import scored_logprobs
-from learner.update import choice_args
+from learner.update import choice_args, choice_temperatures
 
 TASK = Task("t1", "take the coin and put it in the box")
 STATES = [
@@ -74,8 +74,13 @@ async def test_engine_score_equals_learner_recompute_through_the_wire(smollm2):
     engine = await start_embedded_engine(loaded=(model, tok), max_batch_size=8)
     try:
         async with EngineClient([engine.url], role="policy") as client:
+            # sampled at 1 and hotter (sim-to-real's real phase, learner.s2r_temperature): the learner reads each
+            # step at the temperature it was sampled at, so an update's first ratio is 1 either way
+            hot = Policy(client, tok, temperature=1.5, seed=1, action_mode="score")
             policy = Policy(client, tok, temperature=1.0, seed=0, action_mode="score")
-            decisions = await asyncio.gather(*(policy.act(TASK, s, c, ["look"]) for s, c in STATES * 2))
+            decisions = await asyncio.gather(*(policy.act(TASK, s, c, ["look"]) for s, c in STATES),
+                                             *(hot.act(TASK, s, c, ["look"]) for s, c in STATES))
+            assert [d.temperature for d in decisions] == [1.0] * len(STATES) + [1.5] * len(STATES)
             steps = []
             for d, (s, c) in zip(decisions, STATES * 2):
                 assert d.action == c[d.index] and sum(d.probs) == pytest.approx(1.0)
@@ -85,7 +90,8 @@ async def test_engine_score_equals_learner_recompute_through_the_wire(smollm2):
             assert steps[0].loss_mask == [1] and len(steps[0].logprobs) == 1
             learner = PolicyModel(model=model, tokenizer=tok)
             with torch.no_grad():
-                mine, _ = learner.forward_choice(*choice_args(steps))
+                mine, _ = learner.forward_choice(*choice_args(steps), temperatures=choice_temperatures(steps))
+            assert [s.temperature for s in steps] == [d.temperature for d in decisions]
             for d, lp in zip(decisions, mine):
                 assert d.logprobs[0] == pytest.approx(float(lp), abs=1e-4)
             greedy = await Policy(client, tok, temperature=0.0, action_mode="score").act(TASK, *STATES[1])

@@ -95,6 +95,8 @@ POISON = [
     ("step", "choice_token_ids", [2 ** 40]), ("step", "state", 7), ("step", "state", None),
     ("step", "state", "x" * (schema.MAX_TEXT_CHARS + 1)), ("step", "policy_prompt", b"bytes"),
     ("step", "reasoning_source", "y" * (schema.MAX_ID_CHARS + 1)),
+    ("step", "temperature", 0.0), ("step", "temperature", float("nan")), ("step", "temperature", "1.5"),
+    ("step", "temperature", 1e9),
     ("traj", "policy_version", -1), ("traj", "policy_version", 1.5), ("traj", "created_at", float("nan")),
     ("traj", "timings", {"policy": float("inf")}), ("traj", "timings", {"env": -1.0}), ("traj", "timings", [1]),
     ("traj", "timings", {"policy_name": "z" * (schema.MAX_ID_CHARS + 1)}), ("traj", "timings", {"env": None}),
@@ -200,6 +202,8 @@ def _reference_step_ok(d: dict) -> bool:
         return False
     if not (isinstance(d["done"], bool) and isinstance(d["valid"], bool)):
         return False
+    if not number(d["temperature"], *schema.TEMPERATURE_RANGE):
+        return False
     ids, lps, mask, choices = d["action_token_ids"], d["logprobs"], d["loss_mask"], d["choice_token_ids"]
     if not all(isinstance(v, list) and len(v) <= schema.MAX_TOKENS for v in (ids, lps, mask, choices)):
         return False
@@ -226,6 +230,7 @@ _ELEMENT = st.one_of(st.integers(-3, 2 ** 33), st.floats(allow_nan=True), st.boo
 _STEP_VALUES = {
     "reward": st.one_of(_ANY, st.floats(-2e6, 2e6)), "value": st.one_of(_ANY, st.floats(-2e6, 2e6)),
     "done": _ANY, "valid": _ANY, "state": st.one_of(st.text(max_size=3), _ANY), "reasoning_source": _ANY,
+    "temperature": st.one_of(_ANY, st.floats(-1, 200)),
     "action_token_ids": st.one_of(st.lists(st.integers(0, 100), max_size=3), st.lists(_ELEMENT, max_size=3), _ANY),
     "choice_token_ids": st.one_of(st.lists(st.integers(0, 100), max_size=3), st.lists(_ELEMENT, max_size=3)),
     "logprobs": st.one_of(st.lists(st.floats(-20, 0), max_size=3), st.lists(_ELEMENT, max_size=3), _ANY),
@@ -254,10 +259,11 @@ def test_version_1_messages_are_still_read_with_the_generate_fields_defaulted():
     d = to_dict(traj)
     d["v"] = 1
     for s in d["steps"]:
-        for name in ("prompt_token_ids", "new_chat", "reply", "invalid_reason"):
+        for name in ("prompt_token_ids", "new_chat", "reply", "invalid_reason", "temperature"):
             del s[name]
     back = decode(msgpack.packb(d, use_bin_type=True))
     assert back.steps[0].prompt_token_ids == [] and back.steps[0].new_chat is False
+    assert back.steps[0].temperature == 1.0  # written before the field: its log-prob was read at 1
     assert back.steps[0].reply == "" and back.steps[0].invalid_reason == ""
     assert back.steps[0].logprobs == [-0.5]
 

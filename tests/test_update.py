@@ -23,7 +23,7 @@ from infra.schema import Status, Step, Task, Trajectory
 from learner.advantages import group_advantages
 from learner.policy_model import PolicyModel
 from learner.update import (FixedInputs, Unit, accumulate_gradients, apply_update, chunks_of, fixed_inputs,
-                            minibatch_bounds, rows_of)
+                            minibatch_bounds, proximal, rows_of)
 
 ROOMS = ["Kitchen", "Hall", "Study"]
 CANDS = ["go north", "take key", "open chest", "look"]
@@ -136,3 +136,29 @@ def test_minibatches_step_on_inputs_fixed_before_the_first(tiny, algo):
     start = dict(model.named_parameters())
     moved = max(float((p.detach() - start[n.split(".", 1)[1]].detach()).abs().max()) for n, p in got.items() if n.startswith("lm."))
     assert moved > 1e-3  # the steps really moved the weights
+
+
+def test_a_hot_rollout_is_read_at_the_temperature_it_sampled_at(tiny):
+    """Label-mode steps sampled at 1.5 (sim-to-real's real phase, learner.s2r_temperature) carry the
+    tempered behaviour log-prob; the learner reads the policy at each step's own temperature, so its
+    log-probs before any step are the behaviour ones and an update's first ratio is 1 (read at 1, as
+    until 2026-12-05, they differ). The reference: one plain forward per prompt, label logits / T."""
+    model, tok = tiny
+    batch = units(tok, "grpo")
+    steps = [s for u in batch for t in u.trajs for s in t.steps]
+    with torch.no_grad():
+        for k, s in enumerate(steps):
+            s.temperature = 1.5 if k % 2 else 1.0  # a mix: each step is read at its own
+            ids = tok(s.policy_prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            labels = [int(t) for t in s.choice_token_ids]
+            row = torch.log_softmax(model(input_ids=ids).logits[0, -1, labels].float() / s.temperature, dim=-1)
+            s.logprobs = [float(row[labels.index(s.action_token_ids[0])])]
+    policy = PolicyModel(model=copy.deepcopy(model), tokenizer=tok)
+    rows = rows_of(batch)
+    mine, _ = proximal(policy, rows, chunks_of(rows, 4))
+    behaviour = [lp for r in rows for s in r.steps for lp in s.logprobs]
+    assert mine == pytest.approx(behaviour, abs=1e-5)
+    for s in steps:
+        s.temperature = 1.0  # as if every step had sampled at 1: the hot steps now read away from their log-probs
+    cold, _ = proximal(policy, rows, chunks_of(rows, 4))
+    assert max(abs(a - b) for a, b in zip(cold, behaviour)) > 1e-3
