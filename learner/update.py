@@ -230,7 +230,7 @@ def choice_temperatures(steps: Sequence[Step]) -> list[float] | None:
     (Step.temperature), so the policy is read at it and an update's first ratio is 1 whatever the
     rollout temperature (learner.s2r_temperature's real phase samples hotter than the DreamGym phase
     before it, so one setting could not fit both); None when every step sampled at 1."""
-    temps = [float(getattr(s, "temperature", 1.0)) for s in steps]
+    temps = [float(s.temperature) for s in steps]
     return temps if any(t != 1.0 for t in temps) else None
 
 
