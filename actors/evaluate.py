@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from actors.confidence import wilson_interval
@@ -208,16 +209,27 @@ def run(args: argparse.Namespace) -> int:
             chooser, cleanup = PerTaskChooser(args.policy, seed=cfg.infra.seed, eps=cfg.data.noise_eps), None
         else:
             chooser, cleanup = await _engine_chooser(args, cfg)
-        try:
-            scripted = args.policy in ("expert", "random", "noisy")
-            return await evaluate(chooser, tasks, args.family, max_steps=cfg.evaluation.max_steps or cfg.data.max_steps,
-                                  episodes_per_task=args.episodes, concurrency=cfg.data.workers if scripted else 1,
-                                  policy_name=args.policy, isolation=iso)
-        finally:
-            if iso is not None:
-                iso.close()
-            if cleanup is not None:
-                await cleanup()
+        # A scripted chooser plays on data.workers environments; an engine policy on evaluation.concurrency,
+        # as the driver's held-out evaluation does, so the engine sees batches.
+        scripted = args.policy in ("expert", "random", "noisy")
+        concurrency = cfg.data.workers if scripted else cfg.evaluation.concurrency
+        with Progress(TextColumn(f"eval {args.policy}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      TextColumn("{task.fields[won]} won"), console=Console(stderr=True)) as prog:
+            bar = prog.add_task("episodes", total=len(tasks) * args.episodes, won=0)
+
+            def on_episode(t: Trajectory) -> None:
+                prog.update(bar, advance=1, won=prog.tasks[0].fields["won"] + int(bool(t.success)))
+
+            try:
+                return await evaluate(chooser, tasks, args.family,
+                                      max_steps=cfg.evaluation.max_steps or cfg.data.max_steps,
+                                      episodes_per_task=args.episodes, concurrency=concurrency,
+                                      policy_name=args.policy, isolation=iso, on_episode=on_episode)
+            finally:
+                if iso is not None:
+                    iso.close()
+                if cleanup is not None:
+                    await cleanup()
 
     report = asyncio.run(go()) if tasks else summarize([], args.family, args.policy)
     report.bad_tasks = [{"task_id": t.task_id, "game_file": t.game_file, "reason": "refused_at_load",

@@ -79,3 +79,39 @@ def test_collect_and_eval_commands_end_to_end(tmp_path_factory, tmp_path):
     assert reports["random"]["success_rate"] <= reports["expert"]["success_rate"]
     assert reports["random"]["mean_steps"] > reports["expert"]["mean_steps"]
     assert 0.0 <= reports["expert"]["ci_low"] <= 1.0 <= reports["expert"]["ci_high"] + 1e-9
+
+
+def test_eval_plays_an_engine_policy_at_the_evaluation_concurrency(tmp_path_factory, tmp_path, monkeypatch):
+    """`dreamgym eval --policy endpoint|checkpoint` plays evaluation.concurrency episodes at once, as the
+    driver's held-out evaluation does, so the engine batches them (it used to play one at a time)."""
+    import asyncio
+
+    import actors.evaluate as ev
+    from infra.cli import main
+
+    in_flight, most = 0, 0
+
+    async def chooser(task, state, candidates, history):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.05)  # an engine call: the episode yields while it waits
+        in_flight -= 1
+        return candidates[0]
+
+    async def engine_chooser(args, cfg):
+        async def cleanup() -> None:
+            pass
+        return chooser, cleanup
+
+    monkeypatch.setattr(ev, "_engine_chooser", engine_chooser)
+    data = tmp_path_factory.getbasetemp() / "tw-data"  # shares the games cache with the test above
+    overrides = [f"infra.data_dir={data}", f"infra.run_dir={tmp_path}", "data.textworld_games=3",
+                 "data.textworld_heldout=2", "data.textworld_families=[custom]",
+                 "data.textworld_heldout_families=[tw-cooking-1]", "data.workers=1", "data.max_steps=8",
+                 "evaluation.concurrency=2"]
+    out = tmp_path / "endpoint.json"
+    assert main(["eval", *overrides, "--family", "textworld", "--policy", "endpoint", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["episodes"] == 2 and report["mean_steps"] > 0
+    assert most == 2
