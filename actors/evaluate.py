@@ -23,7 +23,7 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -158,7 +158,12 @@ async def _engine_chooser(args: argparse.Namespace, cfg: Any):
     handle = None
     model = resolve_model(args.checkpoint or cfg.engines.model)
     if args.policy == "checkpoint":
-        handle = await start_embedded_engine(model=model, max_batch_size=cfg.engines.max_batch_size)
+        # Served as `dreamgym train` serves and evaluates it: engines.device and dtype, the engine settings, and
+        # evaluation.engine_threads torch threads on a CPU (-1: every core, the policy engine computing alone).
+        e, want = cfg.engines, cfg.evaluation.engine_threads
+        threads = 0 if want == -1 else e.threads if want == 0 else want  # EngineConfig.threads 0 = every core
+        handle = await start_embedded_engine(model=model, max_batch_size=e.max_batch_size, dtype=e.dtype,
+                                             device=e.device, engine_cfg=replace(e, threads=threads))
         url = handle.url
     else:
         if not args.endpoint:

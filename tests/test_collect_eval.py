@@ -115,3 +115,33 @@ def test_eval_plays_an_engine_policy_at_the_evaluation_concurrency(tmp_path_fact
     report = json.loads(out.read_text())
     assert report["episodes"] == 2 and report["mean_steps"] > 0
     assert most == 2
+
+
+async def test_eval_serves_a_checkpoint_as_the_config_says(monkeypatch):
+    """`dreamgym eval --policy checkpoint` starts its engine with the config's device, dtype and engine
+    settings (it used the defaults: a GPU config evaluated on the CPU in fp32), on
+    evaluation.engine_threads torch threads."""
+    import argparse
+    from types import SimpleNamespace
+
+    import actors.evaluate as ev
+    from infra.config import load_config
+
+    seen = {}
+
+    async def fake_engine(**kwargs):
+        seen.update(kwargs)
+
+        async def stop() -> None:
+            pass
+        return SimpleNamespace(url="http://127.0.0.1:9", stop=stop)
+
+    monkeypatch.setattr(ev, "start_embedded_engine", fake_engine)
+    args = argparse.Namespace(policy="checkpoint", checkpoint="", endpoint="", temperature=0.0)
+    for engine_threads, want in ((-1, 0), (0, 1), (3, 3)):
+        cfg = load_config(None, ["engines.dtype=bfloat16", "engines.max_batch_size=7", "engines.prefix_cache_mb=64",
+                                 "engines.threads=1", f"evaluation.engine_threads={engine_threads}"])
+        _chooser, cleanup = await ev._engine_chooser(args, cfg)
+        await cleanup()
+        assert seen["dtype"] == "bfloat16" and seen["device"] == cfg.engines.device and seen["max_batch_size"] == 7
+        assert seen["engine_cfg"].prefix_cache_mb == 64 and seen["engine_cfg"].threads == want
