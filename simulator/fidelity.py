@@ -50,7 +50,7 @@ from rich.table import Table
 
 from actors.envs.base import StateFormatError, validate_state
 from infra import metrics
-from infra.config import SimulatorConfig, UsageError, add_config_arguments, config_from_args
+from infra.config import EngineConfig, SimulatorConfig, UsageError, add_config_arguments, config_from_args
 from infra.engine.client import EngineClient
 from infra.engine.models import load_tokenizer
 from infra.engine.server import start_embedded_engine
@@ -304,12 +304,18 @@ async def replay_heldout(client: Any, cfg: SimulatorConfig, tokenizer: Any, trai
 
 
 async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held_trajs: list, data_dir: str | Path,
-                  variants: list[str], max_steps: int = 0, judge_url: str = "", max_batch_size: int = 16) -> dict:
-    """Start an engine serving `checkpoint` (or the base model) and replay held-out steps in each variant."""
+                  variants: list[str], max_steps: int = 0, judge_url: str = "", max_batch_size: int = 16,
+                  engines: EngineConfig | None = None) -> dict:
+    """Start an engine serving `checkpoint` (or the base model) and replay held-out steps in each variant.
+
+    `engines` (the config's) places it: its device, dtype and engine settings, on every core of a CPU
+    (the engine computes alone here); None: a CPU engine in fp32 with the defaults."""
     model = checkpoint or "smollm2"
     tokenizer = load_tokenizer(model)
     embedder = Embedder(cache_path=Path(data_dir) / ".cache" / "embeddings.sqlite")
-    engine = await start_embedded_engine(model=model, max_batch_size=max_batch_size)
+    e = replace(engines or EngineConfig(), threads=0)  # EngineConfig.threads 0: every core
+    engine = await start_embedded_engine(model=model, max_batch_size=max_batch_size, dtype=e.dtype, device=e.device,
+                                         engine_cfg=e)
     try:
         # A long timeout: on a shared CPU a batch of long replies can take minutes, and a retry redoes it.
         async with EngineClient([engine.url], timeout_s=3600.0, max_retries=0) as client:
@@ -355,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     for ck in ckpts:
         report["results"][ck] = asyncio.run(measure(sim, "" if ck == "base" else ck, train_trajs, held_trajs,
                                                     cfg.infra.data_dir, variants, args.max_steps, args.judge_url,
-                                                    cfg.engines.max_batch_size))
+                                                    cfg.engines.max_batch_size, cfg.engines))
     out = Path(args.out or Path(cfg.infra.run_dir) / "fidelity.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -222,3 +222,23 @@ async def test_the_check_before_rl_is_kept_for_the_mexp_it_measured(tmp_path):
     assert again == first and len(svc.mexp.prompts) == 1 and "kept in" in console.export_text()
     await fidelity_check(cfg, svc, trajs, "mexp-b", console)  # another Mexp is measured anew
     assert len(svc.mexp.prompts) == 2
+
+
+async def test_dreamgym_fidelity_serves_mexp_as_the_config_says(monkeypatch, tmp_path):
+    """`dreamgym fidelity` starts its engine on engines.device and dtype with the config's engine settings
+    (it used the defaults: a GPU config replayed on the CPU in fp32), on every core."""
+    import simulator.fidelity as fid
+    from infra.config import load_config
+
+    seen = {}
+
+    async def fake_engine(**kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("engine started")
+
+    monkeypatch.setattr(fid, "start_embedded_engine", fake_engine)
+    cfg = load_config(None, ["engines.dtype=bfloat16", "engines.prefix_cache_mb=64", "engines.threads=1"])
+    with pytest.raises(RuntimeError, match="engine started"):
+        await fid.measure(cfg.simulator, "", [], [], tmp_path, ["full"], max_batch_size=5, engines=cfg.engines)
+    assert seen["dtype"] == "bfloat16" and seen["device"] == cfg.engines.device and seen["max_batch_size"] == 5
+    assert seen["engine_cfg"].prefix_cache_mb == 64 and seen["engine_cfg"].threads == 0
