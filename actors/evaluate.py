@@ -169,7 +169,7 @@ async def _engine_chooser(args: argparse.Namespace, cfg: Any):
         if not args.endpoint:
             raise UsageError("--policy endpoint needs --endpoint URL")
         url = args.endpoint
-    client = EngineClient([url], role="policy")
+    client = EngineClient.from_config(cfg.engines, [url], role="policy")  # engines.api_key, timeouts, retries
     tokenizer = load_tokenizer(model)
     chooser = choice_policy_chooser(Policy.from_config(cfg.actors, client, tokenizer, temperature=args.temperature,
                                                             seed=cfg.infra.seed))

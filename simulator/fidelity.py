@@ -318,7 +318,7 @@ async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held
                                          engine_cfg=e)
     try:
         # A long timeout: on a shared CPU a batch of long replies can take minutes, and a retry redoes it.
-        async with EngineClient([engine.url], timeout_s=3600.0, max_retries=0) as client:
+        async with EngineClient([engine.url], timeout_s=3600.0, max_retries=0, api_key=e.api_key) as client:
             results = await replay_heldout(client, cfg, tokenizer, train_trajs, held_trajs, embedder, max_steps,
                                            max_batch_size, variants)
             if judge_url:

@@ -136,12 +136,19 @@ async def test_eval_serves_a_checkpoint_as_the_config_says(monkeypatch):
             pass
         return SimpleNamespace(url="http://127.0.0.1:9", stop=stop)
 
+    class Client(ev.EngineClient):  # the client sends the key the engine now requires
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            seen["client_key"] = kw.get("api_key")
+
     monkeypatch.setattr(ev, "start_embedded_engine", fake_engine)
+    monkeypatch.setattr(ev, "EngineClient", Client)
     args = argparse.Namespace(policy="checkpoint", checkpoint="", endpoint="", temperature=0.0)
     for engine_threads, want in ((-1, 0), (0, 1), (3, 3)):
         cfg = load_config(None, ["engines.dtype=bfloat16", "engines.max_batch_size=7", "engines.prefix_cache_mb=64",
-                                 "engines.threads=1", f"evaluation.engine_threads={engine_threads}"])
+                                 "engines.threads=1", "engines.api_key=k3y", f"evaluation.engine_threads={engine_threads}"])
         _chooser, cleanup = await ev._engine_chooser(args, cfg)
         await cleanup()
         assert seen["dtype"] == "bfloat16" and seen["device"] == cfg.engines.device and seen["max_batch_size"] == 7
         assert seen["engine_cfg"].prefix_cache_mb == 64 and seen["engine_cfg"].threads == want
+        assert seen["engine_cfg"].api_key == seen["client_key"] == "k3y"
