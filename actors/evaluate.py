@@ -221,9 +221,12 @@ def run(args: argparse.Namespace) -> int:
         with Progress(TextColumn(f"eval {args.policy}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       TextColumn("{task.fields[won]} won"), console=Console(stderr=True)) as prog:
             bar = prog.add_task("episodes", total=len(tasks) * args.episodes, won=0)
+            won = 0
 
             def on_episode(t: Trajectory) -> None:
-                prog.update(bar, advance=1, won=prog.tasks[0].fields["won"] + int(bool(t.success)))
+                nonlocal won
+                won += bool(t.success)
+                prog.update(bar, advance=1, won=won)
 
             try:
                 return await evaluate(chooser, tasks, args.family,
