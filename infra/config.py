@@ -335,6 +335,7 @@ class EvaluationConfig:
     engine_threads: int = _f(-1, "Torch threads of the embedded CPU policy engine while `dreamgym train` evaluates (the policy engine computes alone then; engines.threads is sized for engines sharing the cores): -1 = every core the process may use, 0 = engines.threads, N = N.",
                              (lambda v: isinstance(v, int) and v >= -1, "an integer >= -1"))
     before: bool = _f(True, "Evaluate the starting policy before training (off: only after; the experiment runner evaluates the start once, as its own regime).")
+    training_tasks: bool = _f(False, "Also play the final policy on its training tasks after training (summary.json's train_after, results.md's training-tasks column): tells a policy that learned its training tasks from one that generalises to held-out ones.")
 
 
 @dataclass

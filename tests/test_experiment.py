@@ -313,7 +313,8 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
                                               "train_budget_s": 1200}}))
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": "tiny", "about": "two regimes on two held-out games", "base": str(base), "overrides": tiny(tiny_dir),
+        "name": "tiny", "about": "two regimes on two held-out games", "base": str(base),
+        "overrides": [*tiny(tiny_dir), "evaluation.training_tasks=true"],
         "compare_to": "base",
         "regimes": {"base": {"about": "the untrained policy", "overrides": ["learner.total_updates=0"]},
                     "real_grpo": {"about": "GRPO in the real games, 6 real transitions",
@@ -337,6 +338,14 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert rows["real_grpo"]["slices"]["seen"]["tasks"] == 2 and rows["real_grpo"]["slices"]["unseen"] == {"tasks": 0}
     assert "diff" in rows["real_grpo"]["slices"]["seen"] and "## Held-out success by slice" in \
         (out / "results.md").read_text()
+    # evaluation.training_tasks: each run also played its two training games after training, and the slices'
+    # table pairs the regime with its baseline on them (tells learned tasks from generalisation)
+    played = json.loads((out / "real_grpo" / "summary.json").read_text())["train_after"]
+    assert played["episodes"] == 2 and {t["task_id"] for t in played["per_task"]}.isdisjoint(
+        {t["task_id"] for t in json.loads((out / "real_grpo" / "summary.json").read_text())["heldout_after"]["per_task"]})
+    assert rows["real_grpo"]["slices"]["training"]["diff_tasks"] == 2
+    assert "its training tasks % (not held out)" in (out / "results.md").read_text()
+    assert "| after, on its training tasks |" in (out / "real_grpo" / "report.md").read_text()
     assert rows["real_grpo"]["mexp_answered"] is None  # no DreamGym phase: no share of Mexp-answered steps
     assert (out / "results.md").read_text().count("|") > 10 and (out / "success_vs_real.png").stat().st_size > 1000
     anchors = res["anchors"]  # the scripted floor and ceiling on the same held-out games

@@ -100,7 +100,7 @@ def test_held_out_success_is_reported_by_slice_with_its_difference(tmp_path):
 
 def test_a_slice_a_run_did_not_record_says_so():
     old = summary([1] * 16, training=None)  # a run from before the slices: no training tasks recorded
-    assert generalisation.slices([old]) == {SEEN: None, UNSEEN: None, LONG: None}
+    assert generalisation.slices([old]) == {SEEN: None, UNSEEN: None, LONG: None, generalisation.TRAINING: None}
     no_plans = summary([1] * 16, held=[(fam, None) for fam, _ in HELD])  # a family whose tasks record no plan
     s = generalisation.slices([no_plans])
     assert s[LONG] is None and s[SEEN]["tasks"] == 8 and s[UNSEEN]["tasks"] == 8
@@ -111,6 +111,41 @@ def test_a_slice_a_run_did_not_record_says_so():
                                                      {"regime": "every", "slices": s}], "sft"))
     assert "| old | not recorded | – | not recorded | – | not recorded | – |" in lines
     assert "| every | 100.0 [100.0, 100.0] (16) | – | no task | – | no task | – |" in lines
+
+
+def played(summary_: dict, wins: list[int], ids: range) -> dict:
+    """`summary_` with its training tasks played after training (evaluation.training_tasks): t<i> won or lost."""
+    per_task = [{"task_id": f"t{i}", "success": bool(w)} for i, w in zip(ids, wins)]
+    return {**summary_, "train_after": {"success_rate": sum(wins) / len(wins), "episodes": len(wins),
+                                        "per_task": per_task}}
+
+
+def test_success_on_the_training_tasks_tells_learned_tasks_from_generalisation(tmp_path):
+    """A regime that wins its training tasks and loses held-out ones (collection 42's real GRPO) is reported as
+    such: its training tasks' success and the paired difference to the baseline on the tasks both played."""
+    exp = experiment(tmp_path, {"sft": {"overrides": ["learner.total_updates=0"]}, "rl": {}, "wide": {}})
+    held_sft, held_rl = [1, 0] * 8, [1, 0] * 4 + [0] * 8  # the RL policy loses the unseen family's games
+    sft = played(summary(held_sft), [1, 0, 0, 1, 0, 0], range(6))
+    rl = [played(summary(held_rl), [1, 1, 1, 1, 0, 1], range(6)), played(summary(held_rl), [1, 1, 0, 1, 1, 1], range(6))]
+    wide = played(summary(held_rl), [1] * 10, range(2, 12))  # trained on other tasks too: pairs on t2..t5 only
+    res = results(exp, {"sft": [sft], "rl": rl, "wide": [wide]})
+    by = {r["regime"]: r["slices"][generalisation.TRAINING] for r in res["regimes"]}
+    # slow and obvious: each run's mean over its tasks, then over runs; minus the baseline's on the same tasks
+    assert by["rl"]["success_rate"] == pytest.approx((5 / 6 + 5 / 6) / 2) and by["rl"]["tasks"] == 6
+    assert by["rl"]["diff"] == pytest.approx(5 / 6 - 2 / 6) and by["rl"]["diff_ci_low"] <= by["rl"]["diff"]
+    assert by["wide"]["diff_tasks"] == 4 and by["wide"]["diff"] == pytest.approx(1 - 1 / 4)
+    assert by["sft"]["success_rate"] == pytest.approx(2 / 6) and "diff" not in by["sft"]
+    md = markdown(res)
+    row = cells(md, "rl", "| regime | families seen in training")
+    assert row["its training tasks % (not held out)"].startswith(f"{100 * 5 / 6:.1f} [") and \
+        row["its training tasks % (not held out)"].endswith("(6)")
+    assert "rl gains +50.0 pts on its training tasks but loses on families never seen -50.0" in md
+    # a run that did not play them (the setting off, or from before it) shows no figure, not an empty one
+    res = results(exp, {"sft": [sft], "rl": [rl[0], summary(held_rl)]})
+    assert {r["regime"]: r["slices"][generalisation.TRAINING] for r in res["regimes"]}["rl"] is None
+    assert "| rl |" in markdown(res) and "not recorded" in cells(markdown(res), "rl", "| regime | families seen")[
+        "its training tasks % (not held out)"]
+    assert "(not held out)" not in markdown(results(exp, {"sft": [summary(held_sft)], "rl": [summary(held_rl)]}))
 
 
 def test_a_runs_training_tasks_are_summed_up_for_the_slices():

@@ -137,9 +137,12 @@ async def train(cfg: Config, name: str, resume: bool = False, evaluate: bool = T
             await learner.finish()
         after = await heldout_eval(cfg, svc, splits.heldout, "after", console) if evaluate else None
         record_success_gap(history.rows[-1].get("success_rate") if history.rows else None, after)
+        trained_on = await heldout_eval(cfg, svc, splits.train, "after", console, split="training") \
+            if evaluate and cfg.evaluation.training_tasks else None
 
         summary = report.summary(cfg, name, before, after, history, learner, phases, svc.buffer_size(), t_start,
-                                 offline, fidelity, await run_counts(svc.client, svc.prefix), splits.train)
+                                 offline, fidelity, await run_counts(svc.client, svc.prefix), splits.train,
+                                 trained_on)
         if placement := svc.placements():  # actors.runtime=ray: the node each actor ran on
             summary["placement"] = placement
         summary.update(s2r_share(phases))
@@ -353,8 +356,10 @@ def budget(seconds: float) -> asyncio.Event:
     return stop
 
 
-async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, console: Any = None) -> dict:
-    """The served policy on held-out REAL tasks (greedy unless `evaluation.temperature`); the EvalReport as a dict."""
+async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, console: Any = None,
+                       split: str = "held-out") -> dict:
+    """The served policy on REAL tasks, the held-out ones but for evaluation.training_tasks's replay of the training
+    ones (`split` names them in the log), greedy unless `evaluation.temperature`; the EvalReport as a dict."""
     ev = cfg.evaluation
     chooser = choice_policy_chooser(Policy.from_config(cfg.actors, svc.policy, svc.tokenizer, temperature=ev.temperature,
                                                             seed=cfg.infra.seed))
@@ -369,7 +374,7 @@ async def heldout_eval(cfg: Config, svc: Services, tasks: list, label: str, cons
         if iso is not None:
             iso.close()
     d = result.to_dict()
-    artifacts.say(console, f"held-out real {cfg.actors.env_family} ({label}): success {d['success_rate']:.3f} "
+    artifacts.say(console, f"{split} real {cfg.actors.env_family} ({label}): success {d['success_rate']:.3f} "
                            f"on {d['episodes']} episodes ({time.perf_counter() - t0:.0f} s)")
     return d
 

@@ -14,7 +14,11 @@ summary its training tasks' families and longest expert plan (`training_tasks`, 
           (it overlaps the other two).
 
 A slice that a run did not record (a run from before these fields, a family whose tasks carry no plan
-length) is None, and shows as "not recorded", never as an empty slice. Pure functions on summaries.
+length) is None, and shows as "not recorded", never as an empty slice.
+
+Beside the slices, the training tasks themselves, where the runs played them after training
+(evaluation.training_tasks, summary `train_after`): a regime that gains on its training tasks and not on held-out
+ones learned those tasks, not their families. Pure functions on summaries.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from typing import Any, Sequence
 
 from actors.confidence import compare_runs
 
-SEEN, UNSEEN, LONG = "seen", "unseen", "long"
+SEEN, UNSEEN, LONG, TRAINING = "seen", "unseen", "long", "training"
 SLICES = (SEEN, UNSEEN, LONG)
-TITLES = {SEEN: "families seen in training", UNSEEN: "families never seen", LONG: "longer than training"}
+TITLES = {SEEN: "families seen in training", UNSEEN: "families never seen", LONG: "longer than training",
+          TRAINING: "its training tasks"}
 
 
 def training_of(runs: Sequence[dict]) -> dict | None:
@@ -75,18 +80,38 @@ def slices(runs: Sequence[dict], baseline: Sequence[dict] | None = None) -> dict
         out[name] = fig
     if training is not None and training.get("plan_length_max") is not None:
         out["horizon"] = {"plan_length_max": training["plan_length_max"]}
+    out[TRAINING] = trained(runs, baseline)
     return out
 
 
+def trained(runs: Sequence[dict], baseline: Sequence[dict] | None = None) -> dict | None:
+    """A regime's success on its own training tasks after training (the mean over its runs, with an interval over
+    runs and tasks) and, where every baseline run played them too, the paired difference on the tasks both
+    played (a baseline trained on other tasks pairs on the shared ones only). None: some run did not play them."""
+    if not all(r.get("train_after") for r in runs):
+        return None
+    mine = [r["train_after"].get("per_task", []) for r in runs]
+    pooled = compare_runs(mine)
+    fig: dict[str, Any] = {"tasks": pooled.tasks, "success_rate": pooled.diff, "ci_low": pooled.ci_low,
+                           "ci_high": pooled.ci_high}
+    if baseline and all(b.get("train_after") for b in baseline):
+        d = compare_runs(mine, [b["train_after"].get("per_task", []) for b in baseline])
+        fig.update({"diff": d.diff, "diff_ci_low": d.ci_low, "diff_ci_high": d.ci_high, "diff_tasks": d.tasks})
+    return fig
+
+
 def mixed(by_slice: dict[str, dict | None]) -> str:
-    """'' unless the regime gains on the families it trained on and loses on a slice unlike them: then says so."""
-    seen = by_slice.get(SEEN) or {}
-    if seen.get("diff") is None or seen["diff"] <= 0:
-        return ""
-    lost = [f"{TITLES[s]} {100 * f['diff']:+.1f}" for s in (UNSEEN, LONG)
-            if (f := by_slice.get(s) or {}).get("diff") is not None and f["diff"] < 0]
-    return f"gains {100 * seen['diff']:+.1f} pts on {TITLES[SEEN]} but loses on " + " and ".join(lost) \
-        if lost else ""
+    """'' unless the regime gains on what it trained on (its training tasks where they were played, else the
+    held-out seeds of its training families) and loses on a held-out slice: then says so."""
+    for gained, elsewhere in ((TRAINING, SLICES), (SEEN, (UNSEEN, LONG))):
+        won = by_slice.get(gained) or {}
+        if won.get("diff") is None or won["diff"] <= 0:
+            continue
+        lost = [f"{TITLES[s]} {100 * f['diff']:+.1f}" for s in elsewhere
+                if (f := by_slice.get(s) or {}).get("diff") is not None and f["diff"] < 0]
+        if lost:
+            return f"gains {100 * won['diff']:+.1f} pts on {TITLES[gained]} but loses on " + " and ".join(lost)
+    return ""
 
 
 def _cell(f: dict | None) -> tuple[str, str]:
@@ -109,15 +134,23 @@ def markdown_lines(rows: Sequence[dict], compare_to: str) -> list[str]:
     long = TITLES[LONG] + (f" (plan > {horizon} steps)" if horizon is not None else "")
     vs = f"Δ vs {compare_to}" if compare_to else "Δ"
     head = ["regime", f"{TITLES[SEEN]} % [95% CI] (tasks)", vs, f"{TITLES[UNSEEN]} %", vs, f"{long} %", vs]
+    played = [r for r in rows if (r.get("slices") or {}).get(TRAINING)]
+    names = (*SLICES, TRAINING) if played else SLICES  # evaluation.training_tasks: learned tasks vs generalisation
+    if played:
+        head += [f"{TITLES[TRAINING]} % (not held out)", vs]
     lines = ["", "## Held-out success by slice", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         s = r.get("slices") or {}
-        cells = [c for name in SLICES for c in _cell(s.get(name))]
+        cells = [c for name in names for c in _cell(s.get(name))]
         lines.append(f"| {r['regime']} | " + " | ".join(cells) + " |")
     flagged = [f"{r['regime']} {m}" for r in rows if (m := mixed(r.get("slices") or {}))]
     lines += ["", "Seen: unseen seeds of the families trained on; unseen: families no training task has; longer: "
                   "the expert's plan longer than the longest among the training tasks (overlaps the other two). "
-                  "Δ is paired on the slice's tasks against each row's baseline, over runs and tasks."]
+                  "Δ is paired on the slice's tasks against each row's baseline, over runs and tasks."
+              + (" Its training tasks: the final policy replayed on the tasks it trained on "
+                 "(evaluation.training_tasks), paired with the baseline on the tasks both played; not a held-out "
+                 "figure: a gain there and none held out is a policy that learned its tasks, not their families."
+                 if played else "")]
     if flagged:
         lines += ["", "Gains on the training families that came with losses elsewhere: " + "; ".join(flagged) + "."]
     return lines

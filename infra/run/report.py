@@ -195,17 +195,18 @@ def training_tasks(tasks: list) -> dict:
 
 def summary(cfg: Config, name: str, before: dict | None, after: dict | None, history: RunHistory, learner: Any,
             phases: list[dict], buffer_size: int, t_start: float, offline: list, fidelity: dict | None,
-            counts: dict[str, int], train_tasks: list | None = None) -> dict:
+            counts: dict[str, int], train_tasks: list | None = None, train_after: dict | None = None) -> dict:
     """summary.json: the run's settings that matter, held-out success before and after (with per-task
     results, for paired comparisons), the RL phases, transitions by kind counted exactly, the history.
     `counts` (infra/budget.run_counts), the trajectories trained, the history and its clocks cover every
     segment of a resumed run (the last two up to the checkpoint it resumed from); `phases` only this one's.
-    `train_tasks`: the split's training tasks, summed up as `training_tasks`."""
+    `train_tasks`: the split's training tasks, summed up as `training_tasks`; `train_after`: the final policy
+    on them (evaluation.training_tasks), None where they were not evaluated."""
     return {
         "run": name, "algo": cfg.learner.algo, "sync": cfg.learner.sync, "env_kind": cfg.actors.env_kind,
         "family": cfg.actors.env_family,
         **({"training_tasks": training_tasks(train_tasks)} if train_tasks is not None else {}),
-        "heldout_before": brief(before), "heldout_after": brief(after),
+        "heldout_before": brief(before), "heldout_after": brief(after), "train_after": brief(train_after),
         "improved": (after["success_rate"] > before["success_rate"]) if before and after else None,
         "updates": learner.updates if learner else 0, "weight_version": learner.version if learner else 0,
         "trajectories_trained": learner.trained if learner else 0,
@@ -257,7 +258,8 @@ def markdown(s: dict, images: list[str]) -> str:
              f"| before | {pct(s.get('heldout_before'))} |",
              *(f"| after {p['phase']} | {pct(p['heldout_after'])} |" for p in s.get("phases", [])
                if p.get("heldout_after")),
-             f"| after | {pct(s.get('heldout_after'))} |", "",
+             f"| after | {pct(s.get('heldout_after'))} |",
+             *([f"| after, on its training tasks | {pct(s['train_after'])} |"] if s.get("train_after") else []), "",
              "| transitions | count |", "|---|---|",
              *(f"| {k.replace('_', ' ')} | {v} |" for k, v in tr.items()), ""]
     if s.get("phases"):

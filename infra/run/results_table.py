@@ -291,9 +291,12 @@ def print_table(res: dict, console: Console) -> None:
 
 
 def by_slice(r: dict) -> str:
-    """A row's held-out success on the three slices, for the console: '91.7 / 50.0 / –'."""
+    """A row's held-out success on the three slices, for the console: '91.7 / 50.0 / –', then its training
+    tasks' where they were played (evaluation.training_tasks): '91.7 / 50.0 / – (trained 95.8)'."""
     s = r.get("slices") or {}
-    return " / ".join(_pct((s.get(k) or {}).get("success_rate")) for k in generalisation.SLICES)
+    trained = s.get(generalisation.TRAINING)
+    return " / ".join(_pct((s.get(k) or {}).get("success_rate")) for k in generalisation.SLICES) + \
+        (f" (trained {_pct(trained['success_rate'])})" if trained else "")
 
 
 def by_seed_lines(regimes: list[dict]) -> list[str]:
