@@ -338,12 +338,10 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert rows["real_grpo"]["slices"]["seen"]["tasks"] == 2 and rows["real_grpo"]["slices"]["unseen"] == {"tasks": 0}
     assert "diff" in rows["real_grpo"]["slices"]["seen"] and "## Held-out success by slice" in \
         (out / "results.md").read_text()
-    # evaluation.training_tasks: each run also played its two training games after training, and the slices'
-    # table pairs the regime with its baseline on them (tells learned tasks from generalisation)
-    played = json.loads((out / "real_grpo" / "summary.json").read_text())["train_after"]
-    assert played["episodes"] == 2 and {t["task_id"] for t in played["per_task"]}.isdisjoint(
-        {t["task_id"] for t in json.loads((out / "real_grpo" / "summary.json").read_text())["heldout_after"]["per_task"]})
-    assert rows["real_grpo"]["slices"]["training"]["diff_tasks"] == 2
+    # evaluation.training_tasks: each run also played its two training games, paired with the baseline's in the slices
+    run = json.loads((out / "real_grpo" / "summary.json").read_text())
+    assert run["train_after"]["episodes"] == 2 and rows["real_grpo"]["slices"]["training"]["diff_tasks"] == 2
+    assert {t["task_id"] for t in run["train_after"]["per_task"]}.isdisjoint(t["task_id"] for t in run["heldout_after"]["per_task"])
     assert "its training tasks % (not held out)" in (out / "results.md").read_text()
     assert "| after, on its training tasks |" in (out / "real_grpo" / "report.md").read_text()
     assert rows["real_grpo"]["mexp_answered"] is None  # no DreamGym phase: no share of Mexp-answered steps

@@ -152,5 +152,5 @@ def markdown_lines(rows: Sequence[dict], compare_to: str) -> list[str]:
                  "figure: a gain there and none held out is a policy that learned its tasks, not their families."
                  if played else "")]
     if flagged:
-        lines += ["", "Gains on the training families that came with losses elsewhere: " + "; ".join(flagged) + "."]
+        lines += ["", "Gains on what a regime trained on that came with losses held out: " + "; ".join(flagged) + "."]
     return lines
