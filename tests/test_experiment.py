@@ -1,4 +1,4 @@
-"""The experiment machinery of issue 14: exact real-transition budgets, sim-to-real's phase switch,
+"""The experiment machinery of issue 14: real rollouts' tasks, sim-to-real's phase switch,
 content-keyed caches, `dreamgym eval --tasks`, and `dreamgym experiment` end to end.
 
 Real parts throughout: a real Redis, real TextWorld games made with tw-make, the embedded engine
@@ -7,7 +7,6 @@ serving SmolLM2, `dreamgym` commands run as a user runs them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -23,7 +22,6 @@ from actors import dataset
 from actors.dataset import offline_settings, splits_path, splits_settings, stamp_matches, write_stamp
 from actors.envs.registry import load_or_make_splits, tasks_from_spec
 from actors.envs.textworld_env import game_file_problem
-from infra.budget import StepBudget
 from infra.config import ConfigError, load_config, settings_key
 from infra.run.artifacts import cached_model
 from infra.run.experiment import (base_name, identical_repeats, load_experiment, markdown, regime_named, results, row,
@@ -43,68 +41,6 @@ TINY = ["engines.max_batch_size=4", "data.textworld_games=2",
         "data.episodes_per_task=1", "data.workers=1", "data.max_steps=4", "actors.num_workers=1",
         "actors.group_size=2", "actors.concurrent_episodes=2", "actors.max_steps=3", "learner.groups_per_update=1",
         "learner.checkpoint_every=100", "learner.keep_weights=1", "curriculum.variants_per_seed=0"]
-
-
-async def test_step_budget_grants_exactly_its_limit_to_concurrent_takers(redis_url):
-    clients = [aioredis.from_url(redis_url) for _ in range(3)]
-    try:
-        budgets = [StepBudget(c, "exp", 37) for c in clients]  # three workers sharing one run's budget
-
-        async def worker(b: StepBudget) -> int:
-            return sum([await b.take() for _ in range(30)])
-
-        granted = await asyncio.gather(*(worker(b) for b in budgets))
-        assert sum(granted) == 37 and await budgets[0].used() == 37 and await budgets[1].spent()
-        unlimited = StepBudget(clients[0], "exp-free", 0)
-        assert all([await unlimited.take() for _ in range(5)]) and await unlimited.used() == 5
-        assert not await unlimited.spent()
-        with pytest.raises(ValueError):
-            StepBudget(clients[0], "exp", -1)
-    finally:
-        for c in clients:
-            await c.aclose()
-
-
-async def test_a_group_starts_only_when_its_worst_case_fits_and_the_last_takes_the_remainder(redis_url):
-    """Holds: 16-step groups on a 40-step budget. Two fit, a third waits until both released their
-    unused steps; once the free budget is below a group's worst case, one group alone (none other
-    holding) gets the remainder, so exactly 40 are spent; a take past a hold is refused."""
-    client = aioredis.from_url(redis_url)
-    try:
-        b = StepBudget(client, "holds", 40)
-        h1, h2 = await b.hold("g1", 16, 10_000), await b.hold("g2", 16, 10_000)
-        assert h1.steps == h2.steps == 16 and await b.hold("g3", 16, 10_000) is None  # 8 free
-        assert all([await h1.take() for _ in range(10)])
-        await h1.release()
-        assert await b.hold("g3", 16, 10_000) is None  # 40 - 10 used - 16 held: 14 free
-        assert all([await h2.take() for _ in range(12)])
-        await h2.release()
-        h3 = await b.hold("g3", 16, 10_000)  # 18 free
-        assert [await h3.take() for _ in range(17)] == [True] * 16 + [False]
-        assert await b.hold("g4", 16, 10_000) is None  # the remainder waits for h3's release
-        await h3.release()
-        h4 = await b.hold("g4", 16, 10_000)
-        assert h4.steps == 2 and [await h4.take() for _ in range(3)] == [True, True, False]
-        assert await b.used() == 40 and await b.spent() and await b.hold("g5", 16, 10_000) is None
-    finally:
-        await client.aclose()
-
-
-async def test_a_dead_workers_hold_lapses_and_a_live_ones_is_renewed(redis_url):
-    client = aioredis.from_url(redis_url)
-    try:
-        b = StepBudget(client, "lapse", 20)
-        dead = await b.hold("dead", 16, 200)
-        assert await dead.take() and await b.hold("next", 16, 200) is None
-        await asyncio.sleep(0.3)  # never renewed: it lapses, its 15 unused steps return
-        live = await b.hold("live", 16, 200)
-        assert live is not None and not await dead.take()  # the lapsed hold takes nothing more
-        for _ in range(3):  # renewed past its first deadline, it stays
-            await asyncio.sleep(0.1)
-            assert await b.renew(["live", "dead"], 200) == 1
-        assert await live.take() and await b.used() == 2
-    finally:
-        await client.aclose()
 
 
 async def test_real_rollouts_never_get_tasks_without_a_real_counterpart(redis_url):
@@ -363,9 +299,20 @@ def test_experiment_runner_writes_complete_results(tmp_path, tiny_dir):
     assert "learner.learner: resumed from" in (out / "real_grpo" / "train.log").read_text()
     rows = {r["regime"]: r for r in json.loads((out / "results.json").read_text())["regimes"]}
     assert rows["real_grpo"]["real_transitions"] == 6
+    # an evaluation-only change evaluates the finished run's weights again, in place, and trains nothing
+    doc = yaml.safe_load(spec.read_text())
+    doc["regimes"]["real_grpo"]["overrides"].append("evaluation.training_tasks=false")
+    spec.write_text(yaml.safe_dump(doc))
+    trained = json.loads((out / "real_grpo" / "summary.json").read_text())
+    again = subprocess.run([*cmd, "--only", "real_grpo"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "evaluating its weights again, not retraining" in " ".join(again.stdout.split())
+    evaluated = json.loads((out / "real_grpo" / "summary.json").read_text())
+    assert not list(out.glob("real_grpo.old-*")) and evaluated["train_after"] is None
+    assert evaluated["updates"] == trained["updates"] and evaluated["history"] == trained["history"]
+    assert evaluated["heldout_after"]["per_task"] == trained["heldout_after"]["per_task"]  # greedy: the same weights
     # a regime that `continues` another starts from its finished run (sim-to-real after dreamgym_grpo):
     # the run is copied under the new name, its Redis keys renamed, and resumed past the source's updates
-    doc = yaml.safe_load(spec.read_text())
     doc["regimes"]["real_more"] = {"continues": "real_grpo", "overrides": [*doc["regimes"]["real_grpo"]["overrides"],
                                                                             "learner.s2r_real_transitions=3"]}
     spec.write_text(yaml.safe_dump(doc))

@@ -10,8 +10,10 @@ real success with per-task results, real and synthetic transitions counted exact
 the Mexp's fidelity, wall time. Regimes that finished are skipped, and one stopped
 after a learner checkpoint continues from it, so an interrupted experiment resumes
 where it stopped; a run whose settings (its config.yaml) differ from what the file now
-sets for its regime is neither skipped, resumed nor reported: the regime starts again. A regime that `continues` another (sim-to-real after DreamGym GRPO)
-starts from that one's finished run (infra/run/fork.py), so a shared first part trains once;
+sets for its regime is neither skipped, resumed nor reported: the regime starts again, unless
+only its `evaluation.*` settings changed, when its last checkpoint is evaluated again. A regime
+that `continues` another (sim-to-real after DreamGym GRPO) starts from that one's finished run
+(infra/run/fork.py), so a shared first part trains once;
 the file's loading checks that the two differ only in what acts after that run's end.
 A regime marked `extra: true` (a variant beside the paper's table, such as the
 strong-start rows) runs only when `--only` names it, or with `--all`; the rest make the table.
@@ -205,6 +207,12 @@ def settings_changed(exp: Experiment, regime: Regime) -> list[str]:
                   if isinstance(ran.get(s), dict) and k in ran[s] and ran[s][k] != v)
 
 
+def evaluation_only(changed: list[str]) -> bool:
+    """True when every changed setting only acts once training has ended (`evaluation.*`): the run resumes
+    from its last checkpoint, whose phases are done, and only its evaluations run again."""
+    return all(name.startswith("evaluation.") for name in changed)
+
+
 def finished(exp: Experiment, regime: Regime) -> dict | None:
     """The summary of a regime's finished run, if its settings are still the regime's (settings_changed)."""
     path = run_dir(exp) / regime.name / "summary.json"
@@ -319,10 +327,14 @@ def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[s
     `continues` another starts from that one's finished run (run first if it has not finished)."""
     old = run_dir(exp) / regime.name
     changed = settings_changed(exp, regime) if old.exists() else []
-    if changed:
+    last = checkpoint.latest(old) if old.exists() and base_name(regime.name) not in rerun else None
+    if changed and last is not None and evaluation_only(changed):
+        console.print(f"{regime.name}: only its evaluation settings changed since it ran ({', '.join(changed)}): "
+                      f"evaluating its weights again, not retraining")
+    elif changed:
         console.print(f"[yellow]{regime.name}: the experiment file changed its settings since it ran "
                       f"({', '.join(changed)}): starting it again[/]")
-    last = checkpoint.latest(old) if old.exists() and base_name(regime.name) not in rerun and not changed else None
+        last = None
     if last is not None:
         console.print(f"{regime.name}: resuming from {last}")
     elif old.exists():
