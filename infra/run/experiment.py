@@ -209,7 +209,8 @@ def settings_changed(exp: Experiment, regime: Regime) -> list[str]:
 
 def evaluation_only(changed: list[str]) -> bool:
     """True when every changed setting only acts once training has ended (`evaluation.*`): the run resumes
-    from its last checkpoint, whose phases are done, and only its evaluations run again."""
+    from its last checkpoint rather than starting again (a finished run's phases are done, so only its
+    evaluations run again; a stopped one trains on where it stopped)."""
     return all(name.startswith("evaluation.") for name in changed)
 
 
