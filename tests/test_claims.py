@@ -278,16 +278,23 @@ def test_a_regime_whose_settings_changed_is_not_reported_with_its_old_run(tmp_pa
     assert all(settings_changed(exp, r) == [] for r in exp.regimes)
     doc = yaml.safe_load(spec.read_text())  # the user edits sim-to-real's budget after it ran
     doc["regimes"]["s2r"]["overrides"] = ["learner.s2r_real_transitions=64"]
+    # ... and an evaluation setting of two regimes: real has a checkpoint to evaluate again, no_a none
+    for name in ("real", "no_a"):
+        doc["regimes"][name]["overrides"] = [*doc["regimes"][name].get("overrides", []), "evaluation.training_tasks=true"]
+    step = run_dir(exp) / "real" / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"")
     spec.write_text(yaml.safe_dump(doc, sort_keys=False))
     exp = load_experiment(spec)
     assert settings_changed(exp, regime_named(exp, "s2r")) == ["learner.s2r_real_transitions"]
+    assert settings_changed(exp, regime_named(exp, "real")) == ["evaluation.training_tasks"]
     cmd = [sys.executable, "-m", "infra.cli", "experiment", str(spec)]
     listed = subprocess.run([*cmd, "--list"], capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr[-2000:]
     status = {line.split()[0]: line.split()[1] for line in listed.stdout.splitlines() if line.strip()}
-    assert status == {"sft": "done", "dg": "done", "real": "done", "s2r": "changed", "no_a": "done"}
+    assert status == {"sft": "done", "dg": "done", "real": "re-eval", "s2r": "changed", "no_a": "changed"}
     rep = subprocess.run([*cmd, "--report"], capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
     res = json.loads((run_dir(exp) / "results.json").read_text())
-    assert res["missing"] == ["s2r"] and "s2r" not in {r["regime"] for r in res["regimes"]}
+    assert res["missing"] == ["real", "s2r", "no_a"] and {r["regime"] for r in res["regimes"]} == {"sft", "dg"}
     assert res["claims"][2]["status"] == NOT_RUN

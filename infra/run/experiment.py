@@ -214,6 +214,16 @@ def evaluation_only(changed: list[str]) -> bool:
     return all(name.startswith("evaluation.") for name in changed)
 
 
+def listed_state(exp: Experiment, regime: Regime) -> str:
+    """What `--list` says of a regime with no finished run under its current settings: 're-eval' when it ran
+    and only its evaluation settings changed since, with a checkpoint to evaluate (start_regime evaluates it
+    again, no retraining); 'changed' when it ran under other settings (it starts again); else 'to run'."""
+    out = run_dir(exp) / regime.name
+    if not (out / "summary.json").exists() or not (changed := settings_changed(exp, regime)):
+        return "to run"
+    return "re-eval" if evaluation_only(changed) and checkpoint.latest(out) is not None else "changed"
+
+
 def finished(exp: Experiment, regime: Regime) -> dict | None:
     """The summary of a regime's finished run, if its settings are still the regime's (settings_changed)."""
     path = run_dir(exp) / regime.name / "summary.json"
@@ -396,7 +406,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "intervals over runs and tasks; a regime without an RL update, evaluated greedily (base, sft), "
                    "runs once, as its repeats would be identical")
     p.add_argument("--rerun", default="", help="comma-separated regimes to run again even if finished")
-    p.add_argument("--list", action="store_true", help="list the regimes and their status, run nothing")
+    p.add_argument("--list", action="store_true", help="list the regimes and their status, run nothing: done (xK with repeats), to run, changed "
+                   "(its settings changed since it ran: it starts again) or re-eval (only evaluation.* changed: "
+                   "its last checkpoint is evaluated again)")
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
 
 
@@ -417,9 +429,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for r in exp.regimes:
             done = len(runs_of(exp, r))
-            state = "done" if done == 1 else f"done ×{done}" if done else \
-                "changed" if (run_dir(exp) / r.name / "summary.json").exists() and settings_changed(exp, r) else "to run"
-            console.print(f"{r.name:>28}  {state:7}  {'extra  ' if r.extra else ''}{r.about}",
+            state = "done" if done == 1 else f"done ×{done}" if done else listed_state(exp, r)
+            console.print(f"{r.name:>28}  {state:9}  {'extra  ' if r.extra else ''}{r.about}",
                           markup=False, highlight=False)
         return 0
     t0 = time.time()
