@@ -406,9 +406,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "intervals over runs and tasks; a regime without an RL update, evaluated greedily (base, sft), "
                    "runs once, as its repeats would be identical")
     p.add_argument("--rerun", default="", help="comma-separated regimes to run again even if finished")
-    p.add_argument("--list", action="store_true", help="list the regimes and their status, run nothing: done (xK with repeats), to run, changed "
-                   "(its settings changed since it ran: it starts again) or re-eval (only evaluation.* changed: "
-                   "its last checkpoint is evaluated again)")
+    p.add_argument("--list", action="store_true",
+                   help="list the regimes and their status, run nothing: done (×K with repeats), to run, changed (its "
+                   "settings changed since it ran: it starts again) or re-eval (only evaluation.* changed: its last "
+                   "checkpoint is evaluated again)")
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
 
 
