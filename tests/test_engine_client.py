@@ -40,8 +40,9 @@ async def test_affinity_balancing_failover_and_recovery(smollm2):
 
         # A request in flight on a server that dies moves to the other one.
         key = next(k for k in (f"ep-{i}" for i in range(100)) if client._pick(k, set()).url == a.url)
-        slow = asyncio.create_task(client.generate("Once upon a time", sampling_params={"max_new_tokens": 40},
-                                                   affinity_key=key))
+        # ignore_eos: a sampled end-of-sequence must not end the request before A dies
+        long_sp = {"max_new_tokens": 40, "ignore_eos": True}
+        slow = asyncio.create_task(client.generate("Once upon a time", sampling_params=long_sp, affinity_key=key))
         while a.batcher.load == 0:
             await asyncio.sleep(0.01)
         port_a = _port(a.url)
