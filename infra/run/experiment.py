@@ -207,11 +207,12 @@ def settings_changed(exp: Experiment, regime: Regime) -> list[str]:
                   if isinstance(ran.get(s), dict) and k in ran[s] and ran[s][k] != v)
 
 
-def evaluation_only(changed: list[str]) -> bool:
-    """True when every changed setting only acts once training has ended (`evaluation.*`): the run resumes
-    from its last checkpoint rather than starting again (a finished run's phases are done, so only its
-    evaluations run again; a stopped one trains on where it stopped)."""
-    return all(name.startswith("evaluation.") for name in changed)
+def reevaluates(changed: list[str], last: Path | None) -> bool:
+    """The one rule --list and start_regime apply to a run whose settings `changed` since it ran: when every
+    changed setting only acts once training has ended (`evaluation.*`) and it has a checkpoint `last`, it
+    resumes from there rather than starting again (a finished run's phases are done, so only its evaluations
+    run again; a stopped one trains on where it stopped)."""
+    return bool(changed) and last is not None and all(name.startswith("evaluation.") for name in changed)
 
 
 def listed_state(exp: Experiment, regime: Regime) -> str:
@@ -221,7 +222,7 @@ def listed_state(exp: Experiment, regime: Regime) -> str:
     out = run_dir(exp) / regime.name
     if not (out / "summary.json").exists() or not (changed := settings_changed(exp, regime)):
         return "to run"
-    return "re-eval" if evaluation_only(changed) and checkpoint.latest(out) is not None else "changed"
+    return "re-eval" if reevaluates(changed, checkpoint.latest(out)) else "changed"
 
 
 def finished(exp: Experiment, regime: Regime) -> dict | None:
@@ -339,7 +340,7 @@ def start_regime(exp: Experiment, regime: Regime, console: Console, rerun: set[s
     old = run_dir(exp) / regime.name
     changed = settings_changed(exp, regime) if old.exists() else []
     last = checkpoint.latest(old) if old.exists() and base_name(regime.name) not in rerun else None
-    if changed and last is not None and evaluation_only(changed):
+    if reevaluates(changed, last):
         console.print(f"{regime.name}: only its evaluation settings changed since it ran ({', '.join(changed)}): "
                       f"evaluating its weights again, not retraining")
     elif changed:
