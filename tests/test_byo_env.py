@@ -153,6 +153,10 @@ def test_keydoor_through_the_cli_collect_mexp_sft_and_dreamgym_train(tmp_path, t
         "engines.max_batch_size=4", "infra.train_budget_s=300", "evaluation.before=false")
     s = json.loads((runs / "kd" / "summary.json").read_text())
     assert s["family"] == KEYDOOR and s["env_kind"] == "synthetic" and s["updates"] == 1
+    # the update's history row counts how the phase's synthetic steps were answered so far (kept if a run is stopped)
+    (row,) = json.loads((runs / "kd" / "history.json").read_text())
+    assert row["mexp_steps"]["simulated"] + row["mexp_steps"]["replayed"] > 0
+    assert all(row["mexp_steps"][k] <= n for k, n in s["phases"][0]["mexp_steps"].items())
     assert s["trajectories_trained"] > 0 and s["transitions"]["synthetic"] > 0 and s["transitions"]["online_real"] == 0
     assert s["transitions"]["offline_real"] == sum(len(t.steps) for t in offline)
     assert s["heldout_after"]["episodes"] == 2  # evaluated in the real example environment

@@ -236,7 +236,13 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
     trained_steps = [0]  # the trainable steps of the trajectories this phase's updates used (real: real transitions)
     learner.env_kind = cfg.actors.env_kind  # sim-to-real: the DreamGym phase's leftovers are set aside, not trained
     stop = budget(cfg.infra.train_budget_s)
-    with report.training_progress(console, cfg, learner, history, label, until) as record:
+    # how Mexp answered this process's synthetic steps so far in the phase (a Ray fleet's actors count their own)
+    counts_mexp = cfg.actors.env_kind == "synthetic" and cfg.actors.runtime != "ray"
+
+    def mexp_steps() -> dict:
+        return {"mexp_steps": {k: int(v - mexp0[k]) for k, v in metrics.mexp_steps().items()}} if counts_mexp else {}
+
+    with report.training_progress(console, cfg, learner, history, label, until, extra=mexp_steps) as record:
         def on_update(s: Any) -> None:
             record(s)
             trained_steps[0] += s.steps
@@ -266,9 +272,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
             "trajectories_set_aside": {k: n - aside0.get(k, 0) for k, n in learner.set_aside.items()
                                        if n > aside0.get(k, 0)},
             "trajectories_waiting": learner.waiting,
-            # how Mexp answered this process's synthetic steps (a Ray fleet's actors count their own)
-            **({"mexp_steps": {k: int(v - mexp0[k]) for k, v in metrics.mexp_steps().items()}}
-               if cfg.actors.env_kind == "synthetic" and cfg.actors.runtime != "ray" else {}),
+            **mexp_steps(),  # also on each update's history row, for a run stopped before this summary
             "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1),
             # the rollout-worker pool: every resize (start, `dreamgym scale`, actors.autoscale, end) and why
             "worker_pool": pool.report()}

@@ -148,10 +148,12 @@ def verdict(before: dict | None, after: dict | None, updates: int) -> str:
 
 @contextlib.contextmanager
 def training_progress(console: Any, cfg: Config, learner: Any, history: RunHistory, where: str = "DreamGym",
-                      until: int | None = None) -> Iterator[Callable[[Any], None]]:
+                      until: int | None = None, extra: Callable[[], dict] | None = None
+                      ) -> Iterator[Callable[[Any], None]]:
     """A progress bar over learner updates; yields the `on_update(stats)` that records each update and moves the bar.
 
-    `where` names the phase (DreamGym, real env, ...); `until` is the update count it runs up to."""
+    `where` names the phase (DreamGym, real env, ...); `until` is the update count it runs up to; `extra()` gives
+    more values for each update's row (the phase's running counts, kept by a run that is stopped before its summary)."""
     label = f"{cfg.learner.algo.upper()} in {where}"
     total = until if until is not None and until < 1_000_000 else None  # an open-ended phase: no total
     bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -165,7 +167,7 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
                        discarded=s.discarded, tokens=s.tokens, action_tokens=s.action_tokens,
                        update_s=round(s.seconds, 2),
                        resident_mb=round(s.resident_mb), clip_fraction=s.clip_fraction,
-                       invalid_share=s.invalid_share)
+                       invalid_share=s.invalid_share, **(extra() if extra is not None else {}))
         invalid = "" if s.invalid_share is None else f" invalid {s.invalid_share:.0%}"  # generate mode
         bar.update(task, completed=s.version, info=f"loss {s.loss:.3f} reward {s.mean_reward:.2f} "
                                                     f"success {s.success_rate:.2f} stale {s.mean_staleness:.1f} "
