@@ -239,10 +239,10 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
     # how Mexp answered this process's synthetic steps so far in the phase (a Ray fleet's actors count their own)
     counts_mexp = cfg.actors.env_kind == "synthetic" and cfg.actors.runtime != "ray"
 
-    def mexp_steps() -> dict:
+    def mexp_counts() -> dict:
         return {"mexp_steps": {k: int(v - mexp0[k]) for k, v in metrics.mexp_steps().items()}} if counts_mexp else {}
 
-    with report.training_progress(console, cfg, learner, history, label, until, extra=mexp_steps) as record:
+    with report.training_progress(console, cfg, learner, history, label, until, extra=mexp_counts) as record:
         def on_update(s: Any) -> None:
             record(s)
             trained_steps[0] += s.steps
@@ -272,7 +272,7 @@ async def rl_phase(cfg: Config, svc: Services, learner: Learner, curriculum: Cur
             "trajectories_set_aside": {k: n - aside0.get(k, 0) for k, n in learner.set_aside.items()
                                        if n > aside0.get(k, 0)},
             "trajectories_waiting": learner.waiting,
-            **mexp_steps(),  # also on each update's history row, for a run stopped before this summary
+            **mexp_counts(),  # also on each update's history row, for a run stopped before this summary
             "transition_budget_spent": spent, "seconds": round(time.time() - t0, 1),
             # the rollout-worker pool: every resize (start, `dreamgym scale`, actors.autoscale, end) and why
             "worker_pool": pool.report()}
