@@ -115,12 +115,16 @@ def summarize(records: list[dict]) -> dict[str, float]:
     real = [r for r in records if r["true_reward"] >= 0.5]
     said = [r for r in parsed if r["reward"] >= 0.5]
     hits = sum(1 for r in said if r["true_reward"] >= 0.5)
+    unrewarded = n - len(real)
     return {
         "steps": n,
         "parse_failure_rate": 1 - len(parsed) / n,
         "reward_accuracy": sum(1 for r in parsed if abs(r["reward"] - r["true_reward"]) < 0.5) / n,
         "reward_recall": hits / len(real) if real else float("nan"),
         "reward_precision": hits / len(said) if said else float("nan"),
+        # Mexp's rewards on unrewarded real steps, per such step: unlike precision, it does not move with
+        # the sample's share of rewarded steps (even_spread raises that share to at least a quarter).
+        "reward_false_positive_rate": (len(said) - hits) / unrewarded if unrewarded else float("nan"),
         "reward_accuracy_all_zero": 1 - len(real) / n,
         "delta_r_mean": sum(errs) / len(errs) if errs else float("nan"),
         "delta_r_max": max(errs) if errs else float("nan"),
@@ -366,8 +370,8 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     cols = ["steps", "parse_failure_rate", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
-            "reward_precision", "rewards_contradicted", "delta_r_mean", "delta_r_max", "done_accuracy", "item_recall",
-            "token_f1"]
+            "reward_precision", "reward_false_positive_rate", "rewards_contradicted", "delta_r_mean", "delta_r_max",
+            "done_accuracy", "item_recall", "token_f1"]
     if args.judge_url:
         cols += [f"judge_{k}" for k in JUDGE_KEYS]
     table = Table(title=f"Mexp fidelity on {len(held_trajs)} held-out real trajectories")

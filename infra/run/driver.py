@@ -312,17 +312,19 @@ async def fidelity_check(cfg: Config, svc: Services, offline: list, mexp_model: 
         if mexp_model:
             kept.write_text(json.dumps({"key": key, "summary": s}, indent=1, default=str))
     ok = s["reward_accuracy"] >= cfg.simulator.min_reward_accuracy
+    false_rewards = s.get("reward_false_positive_rate", float("nan"))  # a check kept before it was measured lacks it
     line = (f"Mexp fidelity on {s['steps']} held-out real steps: reward accuracy {s['reward_accuracy']:.2f} "
             f"(always 0 would score {s['reward_accuracy_all_zero']:.2f}; recall {s['reward_recall']:.2f}, "
-            f"precision {s['reward_precision']:.2f}), "
+            f"precision {s['reward_precision']:.2f}, false rewards on {false_rewards:.2f} of the "
+            f"unrewarded steps), "
             f"ΔR {s['delta_r_mean']:.3f}, parse failures {s['parse_failure_rate']:.2f} ({took})")
     export_fidelity(s)
     console.print(line if ok else f"[bold red]WARNING: {line}: below simulator.min_reward_accuracy="
                                    f"{cfg.simulator.min_reward_accuracy}; synthetic rewards are unreliable and "
                                    f"RL in DreamGym may learn the simulator's mistakes[/]")
     return {**{k: s[k] for k in ("steps", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
-                                  "reward_precision", "delta_r_mean", "done_accuracy", "parse_failure_rate",
-                                  "item_recall", "token_f1") if k in s},
+                                  "reward_precision", "reward_false_positive_rate", "delta_r_mean", "done_accuracy",
+                                  "parse_failure_rate", "item_recall", "token_f1") if k in s},
             "below_threshold": not ok}
 
 
