@@ -99,6 +99,7 @@ DASHBOARDS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
         ("ΔP estimate: item TV distance", "simulator_fidelity_item_tv_distance", "none"),
         ("Train minus held-out real success", "simulator_fidelity_success_gap", "percentunit"),
         ("Mexp rewards its own reasoning contradicts, /s", "rate(simulator_contradicted_rewards_total[5m])", "ops"),
+        ("Mexp rewards its own reasoning affirms, /s", "rate(simulator_affirmed_rewards_total[5m])", "ops"),
         ("Mexp's listed actions the action check changed, /s", "sum by (change) (rate(simulator_checked_actions_total[5m]))", "ops"),
     ]),
 }

@@ -94,6 +94,7 @@ SIMULATOR_FIDELITY_WEIGHT_VERSION = Gauge("simulator_fidelity_weight_version", "
 SIMULATOR_STEPS = Counter("simulator_steps_total", "Synthetic transitions produced by Mexp.")
 SIMULATOR_PARSE_FAILURES = Counter("simulator_parse_failures_total", "Mexp outputs that did not parse.", ["reason"])
 SIMULATOR_CONTRADICTED_REWARDS = Counter("simulator_contradicted_rewards_total", "Mexp rewards set to 0 because the reply's own reasoning did not check off every item of the state's To do line (simulator.reward_check).")
+SIMULATOR_AFFIRMED_REWARDS = Counter("simulator_affirmed_rewards_total", "Mexp rewards of 0 set to 1 (the episode ended) because the reply's own reasoning checked off every item of the state's To do line (simulator.reward_affirm).")
 SIMULATOR_REPLAYED_STEPS = Counter("simulator_replayed_steps_total", "Synthetic steps answered with a real transition of the same task, state and action from the buffer instead of Mexp (simulator.replay_real).")
 SIMULATOR_MEMO_HITS = Counter("simulator_memo_hits_total", "Greedy Mexp requests answered with the reply of an identical earlier (or in-flight) request instead of generating it again (simulator.reply_memo).")
 SIMULATOR_CHECKED_ACTIONS = Counter("simulator_checked_actions_total", "Actions simulator.action_check changed in Mexp's next states: 'dropped' (listed, and ruled out by the state's own description) or 'added' (implied by the description, and not listed).", ["change"])

@@ -36,6 +36,10 @@ Departures from the paper:
   marks an item of the state's To do line "(not yet)" or leaves one out,
   simulator/mexp_output.py `contradicted_reward`) is set to 0; the next state and done stay as
   Mexp wrote them.
+- `cfg.reward_affirm` (off by default): the mirror, a reward of 0 whose own reasoning checks off
+  every item of the state's To do line (`affirmed_reward`) is set to 1 and the episode ends (a quest
+  whose every item holds is won). A departure from the paper's Mexp, whose reward is what it writes:
+  here the reward is read from the effect it predicted, where the state says what is left to do.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from infra import metrics
 from infra.config import SimulatorConfig
 from infra.schema import Task
 from simulator import prompts
-from simulator.mexp_output import MexpOutput, MexpParseError, contradicted_reward, parse_mexp_output, parse_state_only
+from simulator.mexp_output import (MexpOutput, MexpParseError, affirmed_reward, contradicted_reward, parse_mexp_output,
+                                   parse_state_only)
 from simulator.replay_buffer import Transition
 from simulator.reply_memo import ReplyMemo
 
@@ -117,6 +122,9 @@ class ExperienceModel:
         if self.cfg.reward_check and contradicted_reward(out, state):  # its own check leaves an item to do
             out.reward, out.contradicted = 0.0, True
             metrics.SIMULATOR_CONTRADICTED_REWARDS.inc()
+        elif self.cfg.reward_affirm and affirmed_reward(out, state):  # its own check says the quest is won
+            out.reward, out.done, out.affirmed = 1.0, True, True
+            metrics.SIMULATOR_AFFIRMED_REWARDS.inc()
         metrics.SIMULATOR_STEPS.inc()
         return out
 

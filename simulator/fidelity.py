@@ -130,6 +130,7 @@ def summarize(records: list[dict]) -> dict[str, float]:
         "delta_r_max": max(errs) if errs else float("nan"),
         "done_accuracy": sum(1 for r in parsed if r["done"] == r["true_done"]) / n,
         "rewards_contradicted": sum(1 for r in parsed if r.get("contradicted")),  # set to 0 by the reward check
+        "rewards_affirmed": sum(1 for r in parsed if r.get("affirmed")),  # set to 1 by simulator.reward_affirm
         "item_recall": sum(r["item_recall"] for r in records) / n,
         "item_tv": sum(r.get("item_tv", 1.0) for r in records) / n,
         "token_f1": sum(r["token_f1"] for r in records) / n,
@@ -151,7 +152,7 @@ async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16) 
                 return {**rec, "parsed": False, "reason": exc.reasons[-1], "reward": 0.0, "done": False,
                         "state": "", "item_recall": 0.0, "item_tv": 1.0, "token_f1": 0.0}
         return {**rec, "parsed": True, "reward": out.reward, "done": out.done, "state": out.next_state,
-                "reasoning": out.reasoning, "contradicted": out.contradicted,
+                "reasoning": out.reasoning, "contradicted": out.contradicted, "affirmed": out.affirmed,
                 "item_recall": item_recall(out.next_state, ex.truth.next_state),
                 "item_tv": item_tv_distance(out.next_state, ex.truth.next_state),
                 "token_f1": token_f1(out.next_state, ex.truth.next_state)}
@@ -370,7 +371,8 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     cols = ["steps", "parse_failure_rate", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
-            "reward_precision", "reward_false_positive_rate", "rewards_contradicted", "delta_r_mean", "delta_r_max",
+            "reward_precision", "reward_false_positive_rate", "rewards_contradicted", "rewards_affirmed", "delta_r_mean",
+            "delta_r_max",
             "done_accuracy", "item_recall", "token_f1"]
     if args.judge_url:
         cols += [f"judge_{k}" for k in JUDGE_KEYS]

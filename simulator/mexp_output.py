@@ -61,6 +61,7 @@ class MexpOutput:
     reward: float
     done: bool
     contradicted: bool = False  # a reward of 1 set to 0 by the reward check (simulator/experience_model.py)
+    affirmed: bool = False  # a reward of 0 set to 1 (and done) by simulator.reward_affirm
     replayed: bool = False  # a real transition's outcome, not Mexp's (simulator.replay_real)
 
 
@@ -115,9 +116,30 @@ def contradicted_reward(out: MexpOutput, state: str) -> bool:
     items = to_do_items(state)
     if items is None:
         return "(not yet)" in reasoning
+    return not _checks_off(reasoning, items)
+
+
+def affirmed_reward(out: MexpOutput, state: str) -> bool:
+    """True when `out` does not reward the step although its own reasoning shows this step achieving
+    every item that `state`'s "To do:" line lists: each is in its "now ..." clause and none is marked
+    "(not yet)", exactly the check `contradicted_reward` reads the other way.
+
+    The 135M Mexp on textworld_long's longer states writes the step's effect right ("close portal: now
+    portal closed") and then copies a retrieved neighbour's to-do list instead of the state's, and
+    answers reward 0: on 160 held-out real steps it found 12 of 40 rewarded steps, and read this way
+    24 of 40, with no false reward on the 120 unrewarded ones (docs/experiments.md, collection 47). A
+    state with no To do line, or one with nothing left to do, and a reply with no reasoning: never."""
+    if out.reward >= 0.5 or not out.reasoning.strip():
+        return False
+    items = to_do_items(state)
+    return bool(items) and _checks_off(out.reasoning.lower(), items)
+
+
+def _checks_off(reasoning: str, items: list[str]) -> bool:
+    """Whether lower-case `reasoning` shows every To do item made true: in its "now" clause, not "(not yet)"."""
     now = _NOW.search(reasoning)
     achieved = now.group(1) if now else ""
-    return any(i not in achieved or f"{i} (not yet)" in reasoning for i in items)
+    return all(i in achieved and f"{i} (not yet)" not in reasoning for i in items)
 
 
 def parse_state_only(text: str) -> str:

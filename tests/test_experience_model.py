@@ -154,6 +154,41 @@ async def test_a_reward_its_own_check_contradicts_is_set_to_zero(tokenizer):
 
 
 @pytest.mark.slow
+async def test_a_reward_its_own_check_affirms_is_set_to_one_with_reward_affirm(tokenizer):
+    """The replies textworld_long's Mexp wrote on rewarded steps: the effect right, reward 0 (collection 47)."""
+    todo = START.replace("\nActions:", "\nTo do: apple in fridge, fridge closed\nActions:")
+
+    def reply(check: str, now: str = "apple in fridge, fridge closed", reward: int = 0, reasoning: bool = True) -> str:
+        think = f"put apple in fridge: now {now}; to do: {check}</think>" if reasoning else ""
+        return (think + "<state>\nRoom: Kitchen.\nActions:\n[1] close fridge\n</state>"
+                f"<reward>{reward}</reward><done>false")
+
+    affirmed = [reply("apple in fridge (done), fridge closed (done)"),
+                reply("apple in fridge (done), fridge closed (done), chest locked (not yet)")]  # a copied item
+    kept = [reply("apple in fridge (done), fridge closed (not yet)"),  # an item still to do
+            reply("apple in fridge (done), fridge closed (done)", now="apple in fridge")]  # not this step's effect
+    before = _count(metrics.SIMULATOR_AFFIRMED_REWARDS)
+    cfg = SimulatorConfig(retrieval=False, reward_affirm=True)
+    mexp = ExperienceModel(ScriptedClient(affirmed + kept), None, cfg, tokenizer)
+    for _ in affirmed:
+        out = await mexp.step(TASK, [], todo, "put apple in fridge", "e")
+        assert out.reward == 1.0 and out.done is True and out.affirmed  # a won quest ends the episode
+    for _ in kept:
+        out = await mexp.step(TASK, [], todo, "put apple in fridge", "e")
+        assert out.reward == 0.0 and out.done is False and not out.affirmed
+    assert _count(metrics.SIMULATOR_AFFIRMED_REWARDS) == before + 2
+    # no To do line in the state, or no reasoning (w/o reasoning): nothing to read; the setting off (the
+    # default): the reply as written
+    no_line = ExperienceModel(ScriptedClient([affirmed[0]]), None, cfg, tokenizer)
+    assert (await no_line.step(TASK, [], START, "put apple in fridge", "e")).reward == 0.0
+    bare = ExperienceModel(ScriptedClient([reply("", reasoning=False)]), None,
+                           SimulatorConfig(retrieval=False, reasoning=False, reward_affirm=True), tokenizer)
+    assert (await bare.step(TASK, [], todo, "put apple in fridge", "e")).reward == 0.0
+    off = ExperienceModel(ScriptedClient([affirmed[0]]), None, SimulatorConfig(retrieval=False), tokenizer)
+    assert (await off.step(TASK, [], todo, "put apple in fridge", "e")).reward == 0.0
+
+
+@pytest.mark.slow
 async def test_synthetic_episode_invalid_actions_win_and_truncation(tokenizer):
     client = ScriptedClient([GOOD, WIN])
     env = SyntheticEnv(ExperienceModel(client, None, SimulatorConfig(retrieval=False), tokenizer), max_steps=3)
