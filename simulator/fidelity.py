@@ -338,6 +338,25 @@ async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held
     return results
 
 
+SUMMARY_ROWS = ("steps", "parse_failure_rate", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
+                "reward_precision", "reward_false_positive_rate", "rewards_contradicted", "rewards_affirmed",
+                "delta_r_mean", "delta_r_max", "done_accuracy", "item_recall", "token_f1")
+
+
+def summary_table(results: dict, title: str, judged: bool = False) -> Table:
+    """One row per measure, one column per checkpoint and setting: readable at any terminal width
+    (fourteen measures side by side were cut to one character each in an 80-column log)."""
+    rows = list(SUMMARY_ROWS) + ([f"judge_{k}" for k in JUDGE_KEYS] if judged else [])
+    runs = [(f"{Path(ck).name or ck} / {name}", r["summary"]) for ck, res in results.items() for name, r in res.items()]
+    table = Table(title=title)
+    table.add_column("measure", no_wrap=True)
+    for label, _ in runs:
+        table.add_column(label, justify="right", overflow="fold")
+    for row in rows:
+        table.add_row(row, *(str(s.get(row, 0)) if row == "steps" else f"{s.get(row, float('nan')):.3g}" for _, s in runs))
+    return table
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--family", default="textworld", help="offline dataset family (default: %(default)s)")
@@ -370,20 +389,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or Path(cfg.infra.run_dir) / "fidelity.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    cols = ["steps", "parse_failure_rate", "reward_accuracy", "reward_accuracy_all_zero", "reward_recall",
-            "reward_precision", "reward_false_positive_rate", "rewards_contradicted", "rewards_affirmed", "delta_r_mean",
-            "delta_r_max",
-            "done_accuracy", "item_recall", "token_f1"]
-    if args.judge_url:
-        cols += [f"judge_{k}" for k in JUDGE_KEYS]
-    table = Table(title=f"Mexp fidelity on {len(held_trajs)} held-out real trajectories")
-    for c in ["checkpoint", "setting"] + cols:
-        table.add_column(c)
-    for ck, res in report["results"].items():
-        for name, r in res.items():
-            s = r["summary"]
-            table.add_row(ck, name, *(f"{s.get(c, float('nan')):.3g}" if c != "steps" else str(s.get(c, 0))
-                                      for c in cols))
-    Console().print(table)
+    Console().print(summary_table(report["results"], f"Mexp fidelity on {len(held_trajs)} held-out real trajectories",
+                                  judged=bool(args.judge_url)))
     Console().print(f"report: {out}")
     return 0

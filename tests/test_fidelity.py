@@ -246,3 +246,20 @@ async def test_dreamgym_fidelity_serves_mexp_as_the_config_says(monkeypatch, tmp
         await fid.measure(cfg.simulator, "", [], [], tmp_path, ["full"], max_batch_size=5, engines=cfg.engines)
     assert seen["dtype"] == "bfloat16" and seen["device"] == cfg.engines.device and seen["max_batch_size"] == 5
     assert seen["engine_cfg"].prefix_cache_mb == 64 and seen["engine_cfg"].threads == 0
+
+
+def test_the_summary_table_reads_at_80_columns():
+    """`dreamgym fidelity`'s table: a row per measure, a column per checkpoint and setting, every figure whole."""
+    from rich.console import Console
+
+    from simulator.fidelity import SUMMARY_ROWS, summary_table
+
+    summary = {k: 0.123456 for k in SUMMARY_ROWS} | {"steps": 160, "reward_recall": 0.6}
+    results = {"data/x/mexp/textworld-e0ae9c2f0dc7": {"full": {"summary": summary}, "no-retrieval": {"summary": summary}},
+               "base": {"full": {"summary": summary}}}
+    console = Console(record=True, width=80)
+    console.print(summary_table(results, "t"))
+    text = console.export_text()
+    for row in SUMMARY_ROWS:
+        assert row in text
+    assert "0.123" in text and "0.6" in text and "160" in text and "…" not in text
