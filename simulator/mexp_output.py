@@ -27,7 +27,8 @@ experience model's action check, simulator/experience_model.py).
 whose own reasoning does not show the step achieving every item of the state's To do line (the
 env-facts rationale's check, actors/envs/textworld_env.py `facts_rationale`). The experience
 model applies it (`simulator.reward_check`); this module only says whether the reply
-contradicts itself.
+contradicts itself. `affirmed_reward(out, state)` is the same check read the other way: a reward
+of 0 whose reasoning shows every item achieved (applied with `simulator.reward_affirm`).
 """
 
 from __future__ import annotations
