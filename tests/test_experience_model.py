@@ -158,10 +158,9 @@ async def test_a_reward_its_own_check_affirms_is_set_to_one_with_reward_affirm(t
     """The replies textworld_long's Mexp wrote on rewarded steps: the effect right, reward 0 (collection 47)."""
     todo = START.replace("\nActions:", "\nTo do: apple in fridge, fridge closed\nActions:")
 
-    def reply(check: str, now: str = "apple in fridge, fridge closed", reward: int = 0, reasoning: bool = True) -> str:
+    def reply(check: str, now: str = "apple in fridge, fridge closed", reasoning: bool = True) -> str:
         think = f"put apple in fridge: now {now}; to do: {check}</think>" if reasoning else ""
-        return (think + "<state>\nRoom: Kitchen.\nActions:\n[1] close fridge\n</state>"
-                f"<reward>{reward}</reward><done>false")
+        return think + "<state>\nRoom: Kitchen.\nActions:\n[1] close fridge\n</state><reward>0</reward><done>false"
 
     affirmed = [reply("apple in fridge (done), fridge closed (done)"),
                 reply("apple in fridge (done), fridge closed (done), chest locked (not yet)")]  # a copied item
