@@ -363,14 +363,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 # The simulator settings that shape an SFT checkpoint (the rest only matter at inference).
-SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k", "history_window", "state_chars")
+SHAPING_FIELDS = ("checkpoint", "heldout_frac", "reasoning", "retrieval", "top_k", "history_window", "state_chars",
+                  "retrieved_todo")
 
 
 def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int) -> dict:
     """What a cached Mexp SFT checkpoint depends on; the driver keys its cache directory by it.
     The device and the batch layout do not shape the weights (beyond float rounding); bf16 compute does, and float32,
     the default, stays out of the key so the caches written before `sft_dtype` existed still count
-    (as do `sft_reward_share` and `sft_outcome_weight` at their defaults)."""
+    (as do `sft_reward_share`, `sft_outcome_weight` and `retrieved_todo` at their defaults)."""
     shaping = section_settings(cfg, SHAPING_FIELDS, prefixes=("sft_",))
     del shaping["sft_device"], shaping["sft_layout"]  # where and how it computes, not what
     if shaping["sft_dtype"] == "float32":
@@ -379,6 +380,8 @@ def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int
         del shaping["sft_reward_share"]
     if shaping["sft_outcome_weight"] == 1.0:  # the unweighted loss, as before the setting existed
         del shaping["sft_outcome_weight"]
+    if shaping["retrieved_todo"]:  # the prompt as before the setting existed
+        del shaping["retrieved_todo"]
     return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT, **shaping}
 
 

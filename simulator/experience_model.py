@@ -97,7 +97,8 @@ class ExperienceModel:
     def prompt(self, task: Task, history: Sequence[Any], retrieved: Sequence[Transition], state: str,
                action: str) -> str:
         msgs = prompts.step_messages(task, history, retrieved, state, action, reasoning=self.cfg.reasoning,
-                                     history_window=self.cfg.history_window, state_chars=self.cfg.state_chars)
+                                     history_window=self.cfg.history_window, state_chars=self.cfg.state_chars,
+                                     retrieved_todo=self.cfg.retrieved_todo)
         return prompts.render(self.tokenizer, msgs, prompts.prefill(self.cfg.reasoning))
 
     def refusal(self, task: Task, state: str, action: str) -> str:

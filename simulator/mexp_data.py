@@ -102,7 +102,8 @@ def build_examples(trajs: list[Trajectory], tokenizer: Any, cfg: SimulatorConfig
         task = task_of(traj)
         history = [p.action for p in traj.steps[:i] if not p.invalid_reason]
         msgs = prompts.step_messages(task, history, hits, s.state, s.action, reasoning=cfg.reasoning,
-                                     history_window=cfg.history_window, state_chars=cfg.state_chars)
+                                     history_window=cfg.history_window, state_chars=cfg.state_chars,
+                                     retrieved_todo=cfg.retrieved_todo)
         truth = MexpOutput(s.reasoning, s.next_state, float(s.reward), bool(s.done))
         target = MexpOutput(s.reasoning, prompts.split_goal(s.next_state)[1], truth.reward, truth.done)
         full = format_mexp_output(target, with_reasoning=cfg.reasoning)

@@ -10,7 +10,9 @@ Departure from the paper: prompts are kept short for a 135M model on CPU (target
 under ~400 tokens). The history window shows past actions only (the current state
 already summarises their effect), and a retrieved transition is shown as its action,
 its effect (its reasoning, clipped to `state_chars` characters; its next state when it
-has none), reward and done, not as two full states. The state's "Goal: ..." line never changes within an
+has none), reward and done, not as two full states. With `todo=False` (`simulator.retrieved_todo`) the effect
+loses its "to do: ..." clause: a neighbour's to-do list is another episode's, and the 135M Mexp copied it
+in place of the current state's (docs/experiments.md, collection 47). The state's "Goal: ..." line never changes within an
 episode and repeats the task instruction, so Mexp neither sees it in states nor
 writes it: `split_goal` removes it from every state in the prompt and from the
 target, and `join_goal` puts the current state's goal line back on the parsed next
@@ -59,20 +61,32 @@ def clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[:n].rstrip() + " …"
 
 
-def _example(t: Transition, state_chars: int) -> str:
+TODO_CLAUSE = "to do:"
+
+
+def drop_todo(effect: str) -> str:
+    """`effect` without its "to do: ..." clause ('take apple: now apple in inventory; to do: apple in fridge
+    (not yet)' -> 'take apple: now apple in inventory'); the other "; "-separated clauses stay."""
+    return "; ".join(c for c in effect.split("; ") if not c.strip().startswith(TODO_CLAUSE))
+
+
+def _example(t: Transition, state_chars: int, todo: bool = True) -> str:
     # An example is its action and effect, not its two full states: on TextWorld the
     # states cost ~150 tokens each, the effect (the env-facts rationale, or Mexp's
     # reasoning for synthetic ones) ~30, and the effect is what grounds the dynamics.
-    effect = clip(t.reasoning, state_chars) if t.reasoning.strip() else clip(split_goal(t.next_state)[1], state_chars)
+    reasoning = t.reasoning.strip() if todo else drop_todo(t.reasoning.strip())
+    effect = clip(reasoning, state_chars) if reasoning else clip(split_goal(t.next_state)[1], state_chars)
     return f"- {t.action} -> {effect} (reward {t.reward:g}, done {str(bool(t.done)).lower()})"
 
 
 def step_messages(task: Task, history: Sequence[Any], retrieved: Sequence[Transition], state: str, action: str,
-                  *, reasoning: bool = True, history_window: int = 3, state_chars: int = 600) -> list[dict]:
+                  *, reasoning: bool = True, history_window: int = 3, state_chars: int = 600,
+                  retrieved_todo: bool = True) -> list[dict]:
     """Chat messages for one step. `history` holds past steps (anything with `.action`, or action strings)."""
     parts = [f"Task: {task.instruction.strip()}"]
     if retrieved:
-        parts.append("Similar past transitions:\n" + "\n".join(_example(t, state_chars) for t in retrieved))
+        parts.append("Similar past transitions:\n" + "\n".join(_example(t, state_chars, retrieved_todo)
+                                                                  for t in retrieved))
     past = [h if isinstance(h, str) else h.action for h in history][-history_window:] if history_window else []
     if past:
         parts.append("Previous actions: " + "; ".join(past))

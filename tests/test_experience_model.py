@@ -18,6 +18,7 @@ from actors.envs.base import AbstractState
 from infra import metrics
 from infra.config import SimulatorConfig
 from infra.schema import Task
+from simulator import prompts
 from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel, MexpRejected
 from simulator.replay_buffer import EdgeBuffer, Transition
@@ -333,6 +334,35 @@ async def test_replay_real_answers_only_the_same_tasks_exact_real_step(tokenizer
         out = await ExperienceModel(client, buffer, cfg, tokenizer).step(task, [], START, action, "e")
         assert not out.replayed
     assert len(client.prompts) == 3
+
+
+def test_drop_todo_removes_only_the_to_do_clause():
+    effect = "close portal: now portal closed; no longer portal open; to do: you in workshop (not yet), portal closed (done)"
+    assert prompts.drop_todo(effect) == "close portal: now portal closed; no longer portal open"
+    won = "put apple in fridge: now apple in fridge; to do: apple in fridge (done); the goal is reached"
+    assert prompts.drop_todo(won) == "put apple in fridge: now apple in fridge; the goal is reached"
+    assert prompts.drop_todo("look: nothing in the world changed") == "look: nothing in the world changed"
+
+
+@pytest.mark.slow
+async def test_retrieved_todo_off_hides_the_neighbours_to_do_lists_but_not_the_states(tokenizer, tmp_path):
+    """simulator.retrieved_todo=false: a retrieved transition is shown without its "to do: ..." clause
+    (another episode's list, which textworld_long's Mexp copied), while the current state keeps its To do line."""
+    todo_state = START.replace("\nActions:", "\nTo do: apple in fridge\nActions:")
+    buf = EdgeBuffer(tmp_path / "edge", Embedder(cache_path=tmp_path / "emb.sqlite"))
+    buf.add([Transition("t0", "cool the milk", todo_state, "open fridge",
+                        "open fridge: now fridge open; to do: milk in fridge (not yet), fridge closed (not yet)",
+                        OPENED, 0.0, False, "real", "other-episode")])
+    shown = {}
+    for todo in (True, False):
+        client = ScriptedClient([GOOD])
+        await ExperienceModel(client, buf, SimulatorConfig(top_k=1, replay_real=False, retrieved_todo=todo),
+                              tokenizer).step(TASK, [], todo_state, "open fridge", "e")
+        neighbours, _, current = client.prompts[0].partition("Current state:")
+        shown[todo] = neighbours
+        assert "open fridge: now fridge open" in neighbours and "To do: apple in fridge" in current
+    buf.close()
+    assert "milk in fridge (not yet)" in shown[True] and "to do:" not in shown[False]
 
 
 @pytest.mark.slow

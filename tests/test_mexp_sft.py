@@ -44,6 +44,10 @@ def test_examples_are_the_inference_prompt_and_a_parseable_target(data_dir):
     cfg = SimulatorConfig(top_k=2)
     ex = build_examples(train, tok, cfg, buf)
     assert "Similar past transitions" in ex[0].prompt
+    neighbours = [e.prompt.partition("Current state:")[0] for e in ex]
+    plain = [e.prompt.partition("Current state:")[0] for e in
+             build_examples(train, tok, SimulatorConfig(top_k=2, retrieved_todo=False), buf)]
+    assert any("to do:" in n for n in neighbours) and not any("to do:" in n for n in plain)  # SFT sees what serving shows
     buf.close()
     assert ex and all(e.prompt.endswith("<think>") for e in ex)
     first = ex[0]
@@ -109,6 +113,8 @@ def test_capped_examples_take_the_asked_share_of_rewarded_steps():
     assert cache_settings(SimulatorConfig(sft_reward_share=0.4), "m", "o", 0)["sft_reward_share"] == 0.4
     assert cache_settings(SimulatorConfig(sft_outcome_weight=5.0), "m", "o", 0)["sft_outcome_weight"] == 5.0
     assert "sft_outcome_weight" not in cache_settings(SimulatorConfig(), "m", "o", 0)
+    assert "retrieved_todo" not in cache_settings(SimulatorConfig(), "m", "o", 0)  # the keys made before it
+    assert cache_settings(SimulatorConfig(retrieved_todo=False), "m", "o", 0)["retrieved_todo"] is False
 
 
 def test_outcome_weighted_loss_against_a_plain_loop():
