@@ -63,6 +63,8 @@ from simulator.replay_buffer import EdgeBuffer, seed_buffer
 
 log = logging.getLogger(__name__)
 IGNORE = -100
+# The version of how examples are drawn, in the Mexp cache key: 2 = the length filter before the sft_max_examples draw
+EXAMPLE_DRAW = 2
 
 
 @dataclass
@@ -306,17 +308,22 @@ def sft_data(cfg: SimulatorConfig, data_dir: str | Path, tokenizer: Any, family:
         if buffer is not None:
             buffer.close()
     embedder.close()
+    # The length filter runs before the draw, so the cap counts examples that are trained on: drawn first, the
+    # longer rewarded steps were skipped after it (36 of 480 on textworld_long's 144 games, collection 48)
+    encoded = {id(x): e for x in (*train_ex, *val_ex) if (e := encode_example(tokenizer, x, cfg.sft_max_len)) is not None}
+    fits_train = [x for x in train_ex if id(x) in encoded]
+    fits_val = [x for x in val_ex if id(x) in encoded]
+    too_long = (len(train_ex) - len(fits_train), len(val_ex) - len(fits_val))
     if cfg.sft_max_examples:
-        train_ex = cap_examples(train_ex, cfg.sft_max_examples, cfg.sft_reward_share, seed)
+        fits_train = cap_examples(fits_train, cfg.sft_max_examples, cfg.sft_reward_share, seed)
     if cfg.sft_max_heldout:
-        random.Random(seed + 1).shuffle(val_ex)
-        val_ex = val_ex[:cfg.sft_max_heldout]
-    enc_train = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in train_ex) if e is not None]
-    enc_val = [e for e in (encode_example(tokenizer, x, cfg.sft_max_len) for x in val_ex) if e is not None]
-    log.info("Mexp SFT: %d train / %d held-out examples (%d / %d skipped as longer than %d tokens); "
-             "%d of the train examples are rewarded steps",
-             len(enc_train), len(enc_val), len(train_ex) - len(enc_train), len(val_ex) - len(enc_val), cfg.sft_max_len,
-             sum(e.truth.reward > 0 for e in train_ex))
+        random.Random(seed + 1).shuffle(fits_val)
+        fits_val = fits_val[:cfg.sft_max_heldout]
+    enc_train = [encoded[id(x)] for x in fits_train]
+    enc_val = [encoded[id(x)] for x in fits_val]
+    log.info("Mexp SFT: %d train / %d held-out examples drawn (%d / %d skipped first as longer than %d tokens); "
+             "%d of the train examples are rewarded steps", len(enc_train), len(enc_val), *too_long, cfg.sft_max_len,
+             sum(x.truth.reward > 0 for x in fits_train))
     if not enc_train:
         raise ValueError("no training examples fit sft_max_len; raise simulator.sft_max_len")
     return SftData(enc_train, enc_val, len({t.task_id for t in train_trajs}), len({t.task_id for t in held_trajs}))
@@ -382,7 +389,8 @@ def cache_settings(cfg: SimulatorConfig, model: str, offline_key: str, seed: int
         del shaping["sft_outcome_weight"]
     if shaping["retrieved_todo"]:  # the prompt as before the setting existed
         del shaping["retrieved_todo"]
-    return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT, **shaping}
+    return {"offline": offline_key, "model": model, "seed": seed, "prompt_format": prompts.PROMPT_FORMAT,
+            "example_draw": EXAMPLE_DRAW, **shaping}
 
 
 def base_model(cfg: Any) -> str:

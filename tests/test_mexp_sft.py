@@ -11,8 +11,8 @@ import torch
 from infra.config import ConfigError, SimulatorConfig, load_config
 from infra.engine.models import load_model
 from infra.schema import Task
-from learner.mexp_sft import (IGNORE, Encoded, cache_settings, cap_examples, encode_example, resolve_layout, run_sft,
-                              sft_loss, target_losses)
+from learner.mexp_sft import (EXAMPLE_DRAW, IGNORE, Encoded, cache_settings, cap_examples, encode_example, resolve_layout,
+                              run_sft, sft_data, sft_loss, target_losses)
 from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
 from simulator.mexp_output import MexpOutput, parse_mexp_output
 
@@ -58,6 +58,24 @@ def test_examples_are_the_inference_prompt_and_a_parseable_target(data_dir):
     assert enc.labels[-1] == tok.eos_token_id and all(l != IGNORE for l in enc.labels[n_prompt:])
     assert any(enc.reasoning) and not any(enc.reasoning[:n_prompt])
     assert encode_example(tok, first, n_prompt) is None  # too long is skipped, not truncated
+
+
+def test_the_draw_counts_only_examples_that_fit(data_dir):
+    # The length filter runs before sft_max_examples is drawn: asked for as many examples as fit, every one of
+    # them is trained on (drawn first, the too-long ones in the draw were skipped after it and fewer trained)
+    from infra.engine.models import load_tokenizer
+
+    tok = load_tokenizer()
+    cfg = SimulatorConfig(retrieval=False, history_window=1, heldout_frac=0.34, sft_max_heldout=0)
+    train, _ = split_trajectories(load_offline(data_dir, "textworld"), 0.34, data_dir, "textworld")
+    lengths = sorted(len(encode_example(tok, x, 10 ** 6).input_ids) for x in build_examples(train, tok, cfg, None))
+    max_len = lengths[len(lengths) // 2]
+    fit = sum(n <= max_len for n in lengths)
+    assert 0 < fit < len(lengths)  # some are too long, or the test shows nothing
+    data = sft_data(SimulatorConfig(retrieval=False, history_window=1, heldout_frac=0.34, sft_max_heldout=0,
+                                    sft_max_len=max_len, sft_max_examples=fit), data_dir, tok)
+    assert len(data.train) == fit and all(len(e.input_ids) <= max_len for e in data.train)
+    assert cache_settings(SimulatorConfig(), "m", "o", 0)["example_draw"] == EXAMPLE_DRAW == 2  # old caches do not count
 
 
 @pytest.mark.model
