@@ -15,6 +15,10 @@ A bad task costs itself only: game files are checked when loaded and a bad one i
 played; each environment runs in a supervised child process (`actors.env_isolation`,
 actors/envs/env_process.py), so a crash or hang ends that episode as env_error with its reason.
 The report's `bad_tasks` names them all, and the command exits EXIT_BAD_TASKS (3) when there are any.
+
+`--compare-to` pairs the report with an earlier one on the tasks both played (`paired_summary`: the
+difference in success with its bootstrap interval over tasks, actors/confidence.py, and the tasks won
+and lost): how an RL checkpoint is read against the SFT it started from.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from actors.confidence import wilson_interval
+from actors.confidence import compare, per_task_success, wilson_interval
 from actors.envs.env_process import Isolation
 from actors.envs.expert import PerTaskChooser
 from actors.envs.registry import load_or_make_splits, make_env, tasks_from_spec
@@ -151,6 +155,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=0, help="evaluate only the first N tasks (0 = all)")
     p.add_argument("--episodes", type=int, default=1, help="episodes per task")
     p.add_argument("--out", default="", help="JSON report path (default <run_dir>/eval/<family>-<policy>.json)")
+    p.add_argument("--compare-to", default="", metavar="REPORT",
+                   help="an earlier report's JSON (say, the SFT's): print and record this policy's paired difference "
+                        "in success against it on the tasks both played, with its 95%% interval and the tasks won and lost")
+
+
+def paired_summary(per_task: Sequence[dict], earlier: Sequence[dict]) -> dict:
+    """This evaluation's `per_task` rows against an earlier one's, on the tasks both played: the paired
+    difference in success (a fraction) with its 95 % bootstrap interval, and the tasks won and lost."""
+    d = compare(per_task, earlier)
+    a, b = per_task_success(per_task), per_task_success(earlier)
+    common = set(a) & set(b)
+    return {"diff": d.diff, "ci_low": d.ci_low, "ci_high": d.ci_high, "tasks": d.tasks,
+            "won": sum(a[t] > b[t] for t in common), "lost": sum(a[t] < b[t] for t in common)}
+
+
+def _earlier_report(path: str) -> dict:
+    """The --compare-to report, read before anything is played: a UsageError names what is wrong with it."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--compare-to {path}: not a readable JSON report ({e})") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("per_task"), list):
+        raise UsageError(f"--compare-to {path}: no per_task rows (a `dreamgym eval` report has them)")
+    return doc
 
 
 async def _engine_chooser(args: argparse.Namespace, cfg: Any):
@@ -194,6 +222,7 @@ def print_report(report: EvalReport) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    earlier = _earlier_report(args.compare_to) if args.compare_to else None
     if args.tasks:
         tasks = tasks_from_spec(args.family, args.tasks, cfg.data, seed=cfg.infra.seed)
     else:
@@ -244,8 +273,15 @@ def run(args: argparse.Namespace) -> int:
                          "detail": str(t.meta["refused"])} for t in refused] + report.bad_tasks
     out = Path(args.out or Path(cfg.infra.run_dir) / "eval" / f"{args.family}-{args.policy}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report.to_dict(), indent=1))
+    doc = report.to_dict()
+    if earlier is not None:
+        doc["compared_to"] = {"report": args.compare_to, **paired_summary(doc["per_task"], earlier["per_task"])}
+    out.write_text(json.dumps(doc, indent=1))
     print_report(report)
+    if earlier is not None:
+        c = doc["compared_to"]
+        print(f"vs {args.compare_to}: {100 * c['diff']:+.1f} points [{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}] "
+              f"paired over {c['tasks']} tasks; won {c['won']}, lost {c['lost']}")
     named: dict[tuple, int] = {}
     for b in report.bad_tasks:  # one line per task and reason, with its count of episodes
         k = (b["task_id"], b["game_file"], b["reason"], b["detail"])

@@ -80,6 +80,20 @@ def test_collect_and_eval_commands_end_to_end(tmp_path_factory, tmp_path):
     assert reports["random"]["mean_steps"] > reports["expert"]["mean_steps"]
     assert 0.0 <= reports["expert"]["ci_low"] <= 1.0 <= reports["expert"]["ci_high"] + 1e-9
 
+    # --compare-to pairs a report with an earlier one, task by task; a bad earlier report stops before playing
+    out = tmp_path / "random-vs-expert.json"
+    assert main(["eval", *overrides, "--family", "textworld", "--policy", "random", "--out", str(out),
+                 "--compare-to", str(tmp_path / "expert.json")]) == 0
+    c = json.loads(out.read_text())["compared_to"]
+    lost = sum(not r["success"] for r in reports["random"]["per_task"])  # the expert won every task
+    assert c["tasks"] == 2 and c["won"] == 0 and c["lost"] == lost
+    assert c["diff"] == pytest.approx(reports["random"]["success_rate"] - 1.0)
+    assert c["ci_low"] <= c["diff"] <= c["ci_high"]
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["eval", *overrides, "--family", "textworld", "--policy", "random", "--out", str(tmp_path / "x.json"),
+                 "--compare-to", str(tmp_path / "bad.json")]) == 2
+    assert not (tmp_path / "x.json").exists()
+
 
 def test_eval_plays_an_engine_policy_at_the_evaluation_concurrency(tmp_path_factory, tmp_path, monkeypatch):
     """`dreamgym eval --policy endpoint|checkpoint` plays evaluation.concurrency episodes at once, as the
