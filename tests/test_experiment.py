@@ -130,6 +130,23 @@ def test_splits_whose_game_files_are_gone_or_damaged_are_made_again(tmp_path, ca
 
 
 @pytest.mark.slow
+def test_splits_made_from_a_relative_data_dir_are_read_from_any_directory(tmp_path, monkeypatch, caplog):
+    """infra.data_dir is relative by default: splits made from it held game paths relative to the directory
+    they were made in, so `dreamgym eval` run from elsewhere found every game "gone" and rewrote splits.json."""
+    cfg = load_config(None, ["data.textworld_games=1", "data.textworld_heldout=1", "data.textworld_families=[custom]"])
+    monkeypatch.chdir(tmp_path)
+    first = load_or_make_splits("textworld", cfg.data, "data")
+    files = [t.game_file for t in [*first.train, *first.heldout]]
+    assert all(os.path.isabs(f) and os.path.isfile(f) for f in files), files
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with caplog.at_level("WARNING"):
+        again = load_or_make_splits("textworld", cfg.data, tmp_path / "data")
+    assert "making the splits again" not in caplog.text
+    assert [t.game_file for t in [*again.train, *again.heldout]] == files
+
+
+@pytest.mark.slow
 def test_splits_and_offline_stamps_rebuild_on_other_settings(tmp_path, monkeypatch):
     cfg = load_config(None, ["data.textworld_games=1", "data.textworld_heldout=1", "data.textworld_families=[custom]"])
     first = load_or_make_splits("textworld", cfg.data, tmp_path)

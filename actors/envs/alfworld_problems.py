@@ -500,7 +500,7 @@ def make_alfworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, task
         if split not in ("train", "heldout"):
             raise ValueError(f"only: split {split!r}; expected 'train' or 'heldout'")
         plan = [slot for slot in plan if slot[0] == split][: max(0, n)]
-    paths = make_games(plan, Path(data_dir) / "alfworld" / "games", workers, progress)
+    paths = make_games(plan, Path(data_dir).resolve() / "alfworld" / "games", workers, progress)
     t0 = time.perf_counter()
     tasks = tasks_from_games(paths, [s for (_split, _t, _scenes, s) in plan], cache=True)
     if progress is not None and tasks:

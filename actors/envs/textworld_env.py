@@ -174,7 +174,7 @@ def make_textworld_tasks(data_dir: str | Path, n_train: int, n_heldout: int, fam
     held_fams = train_fams + [f for f in _expand(list(heldout_families)) if f not in train_fams]
     if not train_fams:
         raise ValueError("no TextWorld families given")
-    games_dir = Path(data_dir) / "textworld" / "games"
+    games_dir = Path(data_dir).resolve() / "textworld" / "games"  # absolute: splits.json is read from any cwd
     plan = [("train", train_fams[i % len(train_fams)], seed * 10000 + i) for i in range(n_train)]
     plan += [("heldout", held_fams[i % len(held_fams)], seed * 10000 + 5000 + i) for i in range(n_heldout)]
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # tw-make runs as a subprocess
