@@ -25,7 +25,7 @@ from actors.envs.textworld_env import game_file_problem
 from infra.config import ConfigError, load_config, settings_key
 from infra.run.artifacts import cached_model
 from infra.run.experiment import (base_name, identical_repeats, load_experiment, markdown, regime_named, results, row,
-                                  selected)
+                                  selected, unpaired)
 from infra.schema import Task
 from learner import mexp_sft, policy_sft
 from learner.weights import resolve_model, version_path
@@ -425,6 +425,36 @@ def test_repeats_run_under_their_own_names_and_pool_into_one_row(tmp_path):
     assert "| rl | 91.7 (+41.7) | 58.3 (+8.3) | 75.0 (+25.0) |" in (tmp_path / "runs" / "rep" / "results.md").read_text()
     bad = subprocess.run([*cmd, "--repeats", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--repeats must be at least 1" in bad.stdout + bad.stderr
+
+
+def test_a_regime_run_without_its_baseline_says_its_row_is_unpaired(tmp_path):
+    """`--only rl` where rl compares to an sft that has not run: the runner says the row will carry no
+    paired difference and how to get one, before anything runs; once sft has run it says nothing."""
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"infra": {"run_dir": str(tmp_path / "runs"), "data_dir": str(tmp_path / "data")}}))
+    spec = tmp_path / "exp.yaml"
+    spec.write_text(yaml.safe_dump({"name": "solo", "base": str(base), "compare_to": "sft", "regimes": {
+        "sft": {"overrides": ["learner.total_updates=0"]}, "rl": {}}}, sort_keys=False))
+    exp = load_experiment(spec)
+    assert unpaired(exp, selected(exp, ["rl"])) == {"rl": "sft"}
+    assert unpaired(exp, selected(exp, [])) == {}  # the baseline is in the run
+    runs = tmp_path / "runs" / "solo"
+    (runs / "anchors").mkdir(parents=True)  # the scripted choosers' cache: no game is played here
+    for policy in ("random", "expert"):
+        (runs / "anchors" / f"{policy}.json").write_text(json.dumps(
+            {"success_rate": 0.25, "ci_low": 0.1, "ci_high": 0.4, "episodes": 4, "mean_steps": 3.0}))
+    per_task = [{"task_id": f"g{i}", "success": True} for i in range(4)]
+    for name in ("rl", "sft"):
+        (runs / name).mkdir()
+        (runs / name / "summary.json").write_text(json.dumps({"heldout_after": {
+            "success_rate": 1.0, "episodes": 4, "successes": 4, "per_task": per_task}}))
+        if name == "rl":  # sft has not run yet
+            cmd = [sys.executable, "-m", "infra.cli", "experiment", str(spec), "--only", "rl", "--report"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr[-2000:]
+            said = " ".join(out.stdout.split())
+            assert "rl is compared to sft, which has not run" in said and "add sft to --only" in said
+    assert unpaired(exp, selected(exp, ["rl"])) == {}
 
 
 def test_the_table_is_every_regime_but_the_extra_ones(tmp_path):

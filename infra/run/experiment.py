@@ -394,6 +394,18 @@ def selected(exp: Experiment, only: list[str], everything: bool = False) -> list
     return [r for r in exp.regimes if everything or not r.extra]
 
 
+def unpaired(exp: Experiment, chosen: list[Regime]) -> dict[str, str]:
+    """The chosen regimes whose baseline (`compare_to`) is neither chosen nor finished, each with that
+    baseline: their rows would have no paired difference until the baseline runs too."""
+    names = {r.name for r in chosen}
+    out = {}
+    for r in chosen:
+        vs = r.compare_to or exp.compare_to
+        if vs and vs != r.name and vs not in names and not runs_of(exp, regime_named(exp, vs)):
+            out[r.name] = vs
+    return out
+
+
 # --- the `dreamgym experiment` command ------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -436,6 +448,9 @@ def run(args: argparse.Namespace) -> int:
                           markup=False, highlight=False)
         return 0
     t0 = time.time()
+    for name, vs in unpaired(exp, chosen).items():
+        console.print(f"[yellow]{name} is compared to {vs}, which has not run: its row will have no paired "
+                      f"difference until it does (add {vs} to --only)[/]")
     if not args.report:
         if once:
             console.print(f"[dim]{', '.join(once)}: no RL update and greedy evaluation, so a repeat would reproduce "
