@@ -20,7 +20,9 @@ spread. A claim is `met` or `not met` only when every regime it compares has at 
 `repeats_needed` runs (3 unless the file's `claims:` says otherwise); with fewer it is `undecided`,
 with the figures so far. A regime whose repeats would reproduce its first run (no RL update and a
 greedy evaluation: base, SFT; experiment.identical_repeats) counts as repeated with one run. A claim
-whose regimes have not run is `not run`. Each comes with the figures that decide it, so a collection's
+whose regimes have not run is `not run`. Runs pooled from other machines' run directories
+(`dreamgym experiment --pool`) count as runs; each side's runs are resampled apart, so a run is compared
+with all of its baseline's runs, not paired with its own machine's (wider, not narrower, than pairing). Each comes with the figures that decide it, so a collection's
 `results.md` says what it showed instead of a reader working it out across rows. Nothing here runs
 a regime.
 

@@ -19,7 +19,9 @@ A regime marked `extra: true` (a variant beside the paper's table, such as the
 strong-start rows) runs only when `--only` names it, or with `--all`; the rest make the table.
 `--repeats K` trains each selected regime K times (`<regime>`, `<regime>.r2`, ...): one RL run of a
 regime has differed from the next by up to a third of the held-out games on the CPU, so one run
-per regime cannot order two regimes that close.
+per regime cannot order two regimes that close. `--pool DIR,...` adds the finished runs of other run
+directories of the experiment (another machine's, or a sitting's kept in docs/runs/) to the results and
+the claims, where a 2-core machine finishes one long run a sitting and its run directory does not outlive it.
 
 The results (infra/run/results_table.py): `results.json` and `results.md` (success with a 95 % Wilson interval,
 the paired difference to the `compare_to` regime, the experiment's or a regime's own,
@@ -191,20 +193,23 @@ def train_args(exp: Experiment, regime: Regime) -> list[str]:
             f"infra.run_dir={run_dir(exp)}"]
 
 
-def settings_changed(exp: Experiment, regime: Regime) -> list[str]:
+LOCATIONS = {("infra", "run_dir")}  # where a run wrote, not how it ran: a pooled run may have written elsewhere
+
+
+def settings_changed(exp: Experiment, regime: Regime, where: Path | None = None) -> list[str]:
     """The settings (`section.key`) in which a regime's run differs from what the experiment file sets for
     it now: an edited regime is run again, not reported with its old run's figures. [] when they match,
     or when the run left no config.yaml; a setting that only one of the two knows (one added to the code
-    since the run) is not compared."""
-    out = run_dir(exp) / regime.name
+    since the run) is not compared. `where`: another run directory of the experiment (`--pool`)."""
+    out = (where or run_dir(exp)) / regime.name
     path = out / "config.yaml"
     if not path.exists():
         return []
     ran = yaml.safe_load(path.read_text()) or {}
-    base, *overrides = train_args(exp, regime)
+    base, *overrides = [*exp.config_args(regime), *continued_overrides(out)]
     now = yaml.safe_load(dump(load_config(base or None, overrides)))
     return sorted(f"{s}.{k}" for s, keys in now.items() for k, v in keys.items()
-                  if isinstance(ran.get(s), dict) and k in ran[s] and ran[s][k] != v)
+                  if isinstance(ran.get(s), dict) and k in ran[s] and ran[s][k] != v and (s, k) not in LOCATIONS)
 
 
 def reevaluates(changed: list[str], last: Path | None) -> bool:
@@ -225,10 +230,11 @@ def listed_state(exp: Experiment, regime: Regime) -> str:
     return "re-eval" if reevaluates(changed, checkpoint.latest(out)) else "changed"
 
 
-def finished(exp: Experiment, regime: Regime) -> dict | None:
-    """The summary of a regime's finished run, if its settings are still the regime's (settings_changed)."""
-    path = run_dir(exp) / regime.name / "summary.json"
-    if not path.exists() or settings_changed(exp, regime):
+def finished(exp: Experiment, regime: Regime, where: Path | None = None) -> dict | None:
+    """The summary of a regime's finished run, if its settings are still the regime's (settings_changed);
+    `where`: another run directory of the experiment (`--pool`)."""
+    path = (where or run_dir(exp)) / regime.name / "summary.json"
+    if not path.exists() or settings_changed(exp, regime, where):
         return None
     summary = json.loads(path.read_text())
     return summary if summary.get("heldout_after") is not None else None
@@ -266,16 +272,21 @@ def regime_named(exp: Experiment, name: str) -> Regime:
     return repeat(next(r for r in exp.regimes if r.name == base), i)
 
 
-def runs_of(exp: Experiment, regime: Regime) -> list[dict]:
+def runs_of(exp: Experiment, regime: Regime, pool: list[Path] | tuple[Path, ...] = ()) -> list[dict]:
     """The summaries of a regime's finished runs: the regime's own, then its repeats' in order, each with
-    the `run_seed` it ran with (run i: i-1), which a missing run would otherwise shift."""
-    found = [(1, regime)]
-    for path in run_dir(exp).glob(f"{regime.name}.r*"):
-        base, i = split_run_name(path.name)
-        if base == regime.name and i > 1:
-            found.append((i, repeat(regime, i)))
-    return [{**s, "run_seed": i - 1} for i, r in sorted(found, key=lambda x: x[0])
-            if (s := finished(exp, r)) is not None]
+    the `run_seed` it ran with (run i: i-1), which a missing run would otherwise shift; then those in each
+    `pool` directory (other machines' or sittings' run directories of this experiment, `--pool`), in the
+    same order, each marked with the directory it came from (`sitting`)."""
+    out = []
+    for where in [None, *pool]:
+        found = [(1, regime)]
+        for path in (where or run_dir(exp)).glob(f"{regime.name}.r*"):
+            base, i = split_run_name(path.name)
+            if base == regime.name and i > 1:
+                found.append((i, repeat(regime, i)))
+        out += [{**s, "run_seed": i - 1, **({"sitting": str(where)} if where else {})}
+                for i, r in sorted(found, key=lambda x: x[0]) if (s := finished(exp, r, where)) is not None]
+    return out
 
 
 def run_regime(exp: Experiment, regime: Regime, console: Console, resume: bool = False) -> dict:
@@ -424,6 +435,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "settings changed since it ran: it starts again) or re-eval (only evaluation.* changed: its last "
                    "checkpoint is evaluated again)")
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
+    p.add_argument("--pool", default="", help="comma-separated run directories of this experiment from other machines "
+                   "or sittings (copies of their runs/<experiment>; each regime's summary.json and config.yaml are "
+                   "all it reads): their finished runs whose settings are this file's join this directory's in the "
+                   "results and the claims, each as a run of its own (listed by where it ran under 'Runs by seed'). "
+                   "A run is compared with its baseline's runs from every directory, not paired with its own "
+                   "machine's. Nothing is run or resumed from them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -438,6 +455,10 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     chosen = selected(exp, only, args.all)
+    pool = [Path(x) for x in args.pool.split(",") if x]
+    for where in pool:
+        if not where.is_dir():
+            raise ConfigError(f"--pool: {where} is not a directory (a copy of another machine's runs/{exp.name})")
     once = [r.name for r in chosen if args.repeats > 1 and identical_repeats(exp, r)]
     todo = [repeat(r, i) for i in range(1, args.repeats + 1) for r in chosen if i == 1 or r.name not in once]
     if args.list:
@@ -461,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             console.rule(f"regime {i}/{len(todo)}: {r.name}")
             start_regime(exp, r, console, rerun)
-    summaries = {r.name: runs for r in exp.regimes if (runs := runs_of(exp, r))}
+    summaries = {r.name: runs for r in exp.regimes if (runs := runs_of(exp, r, pool))}
     res = write_results(exp, summaries, run_anchors(exp, console))
     print_table(res, console)
     console.print(f"results: {run_dir(exp) / 'results.md'} ({time.time() - t0:.0f} s)")

@@ -77,6 +77,7 @@ def row(name: str, about: str, runs: list[dict], baseline: list[dict] | None, ba
                                          [b["heldout_after"].get("per_task", []) for b in baseline]).diff for r in runs]
     out["run_invalid"] = [r["heldout_after"].get("invalid_rate") for r in runs]
     out["run_seeds"] = [r.get("run_seed", i) for i, r in enumerate(runs)]  # runs_of says; else their order
+    out["run_sittings"] = [r.get("sitting", "") for r in runs]  # "" here, else the --pool directory it ran in
     out["warm_start"] = s.get("warm_start")  # which SFT the run started from (summary.json; None without one)
     out["mexp_answered"] = mexp_answered(runs)
     if out["mexp_answered"] is None and source and (carried := mexp_answered(source)) is not None:
@@ -138,6 +139,8 @@ def results(exp: Experiment, summaries: dict[str, list[dict]], anchors: dict[str
     table = [r for r in ran if not r.extra]
     return {"experiment": exp.name, "about": exp.about, "file": exp.path, "compare_to": exp.compare_to,
             "regimes": rows, "missing": [r.name for r in exp.regimes if not summaries.get(r.name) and not r.extra],
+            # the other machines' or sittings' run directories whose runs joined this one's (--pool)
+            "pooled": sorted({s["sitting"] for runs in summaries.values() for s in runs if s.get("sitting")}),
             # each run's own wall time (a continuing regime's counts its own part), summed over the table's
             "table_seconds": sum(sum(own[r.name]) for r in table),
             "table_regimes_run": len(table),
@@ -226,6 +229,10 @@ def markdown(res: dict) -> str:
         lines += ["", wall_time(res)]
     if res["missing"]:
         lines += ["", f"Not run yet: {', '.join(res['missing'])}."]
+    if res.get("pooled"):
+        lines += ["", f"Runs pooled from other run directories (`--pool`): {', '.join(res['pooled'])}. Each counts as a "
+                      "run of its regime; a row's Δ compares its runs with all of its baseline's runs, not each with "
+                      "its own machine's."]
     lines += generalisation.markdown_lines(res["regimes"], res["compare_to"])
     lines += by_seed_lines(res["regimes"])
     lines += claims.markdown_lines(res.get("claims", []))
@@ -307,15 +314,17 @@ def by_seed_lines(regimes: list[dict]) -> list[str]:
     repeated = [r for r in regimes if len(r.get("runs", [])) > 1]
     if not repeated:
         return []
-    seeds = sorted({k for r in repeated for k in r["run_seeds"]})
-    lines = ["", "## Runs by seed", "", "| regime | " + " | ".join(f"run {k + 1} (seed {k})" for k in seeds)
+    # a run's column: where it ran ("" here, else its --pool directory) and its run seed
+    seeds = sorted({k for r in repeated for k in zip(r.get("run_sittings") or [""] * len(r["runs"]), r["run_seeds"])})
+    lines = ["", "## Runs by seed", "", "| regime | " + " | ".join(
+        f"run {k + 1} (seed {k})" if not where else f"{where}: seed {k}" for where, k in seeds)
              + " | mean |", "|" + "---|" * (len(seeds) + 2)]
-    by_seed: dict[int, list[float]] = {k: [] for k in seeds}  # the regimes' paired Δ, seed by seed
+    by_seed: dict[tuple[str, int], list[float]] = {k: [] for k in seeds}  # the regimes' paired Δ, column by column
     for r in repeated:
         diffs, invalid = r.get("run_diffs") or [None] * len(r["runs"]), r.get("run_invalid") or []
         if not any(invalid):  # label/score mode: every step names a candidate
             invalid = []
-        at = {k: i for i, k in enumerate(r["run_seeds"])}
+        at = {k: i for i, k in enumerate(zip(r.get("run_sittings") or [""] * len(r["runs"]), r["run_seeds"]))}
         cell = []
         for k in seeds:
             if (i := at.get(k)) is None:
