@@ -435,7 +435,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "settings changed since it ran: it starts again) or re-eval (only evaluation.* changed: its last "
                    "checkpoint is evaluated again)")
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
-    p.add_argument("--pool", default="", help="comma-separated run directories of this experiment from other machines "
+    p.add_argument("--pool", nargs="+", action="extend", default=[], metavar="DIR",
+                   help="run directories of this experiment from other machines "
                    "or sittings (copies of their runs/<experiment>; each regime's summary.json and config.yaml are "
                    "all it reads): their finished runs whose settings are this file's join this directory's in the "
                    "results and the claims, each as a run of its own (listed by where it ran under 'Runs by seed'). "
@@ -455,7 +456,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, got {args.repeats}")
     chosen = selected(exp, only, args.all)
-    pool = [Path(x) for x in args.pool.split(",") if x]
+    pool = [Path(x) for arg in args.pool for x in arg.split(",") if x]  # `--pool a b`, `--pool a,b`, a shell glob
     for where in pool:
         if not where.is_dir():
             raise ConfigError(f"--pool: {where} is not a directory (a copy of another machine's runs/{exp.name})")
