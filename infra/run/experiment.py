@@ -437,8 +437,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", action="store_true", help="only rewrite results.json/.md and the plot from finished regimes")
     p.add_argument("--pool", nargs="+", action="extend", default=[], metavar="DIR",
                    help="run directories of this experiment from other machines "
-                   "or sittings (copies of their runs/<experiment>; each regime's summary.json and config.yaml are "
-                   "all it reads): their finished runs whose settings are this file's join this directory's in the "
+                   "or sittings (copies of their runs/<experiment>; of each run it reads summary.json, config.yaml and, for "
+                   "a regime that continues another, continued.json): their finished runs whose settings are this file's join this directory's in the "
                    "results and the claims, each as a run of its own (listed by where it ran under 'Runs by seed'). "
                    "A run is compared with its baseline's runs from every directory, not paired with its own "
                    "machine's. Nothing is run or resumed from them")
