@@ -50,6 +50,13 @@ def test_textworld_long_preset():
     assert cfg.evaluation.max_steps >= 2 * max(lengths.values())  # twice the expert's longest plan
     assert cfg.actors.max_steps >= 2 * max(lengths[f] for f in train) and cfg.simulator.max_steps == cfg.actors.max_steps
     assert cfg.data.textworld_heldout >= 4 * len(held + train)  # a few games of every held-out family
+    # the claims compare like with like: real and DreamGym GRPO share the data, the groups and the step,
+    # and sim-to-real's real phase stays within claim 3's 10 % of real GRPO's budget
+    real, s2r = exp.config(regime_named(exp, "real_grpo")), exp.config(regime_named(exp, "dreamgym_s2r"))
+    for k in ("data.textworld_games", "infra.data_dir", "actors.group_size", "learner.lr", "learner.total_updates"):
+        section, key = k.split(".")
+        assert getattr(getattr(real, section), key) == getattr(getattr(cfg, section), key), k
+    assert 0 < s2r.learner.s2r_real_transitions <= 0.1 * real.actors.real_transitions
 
 
 def test_alfworld_preset():
