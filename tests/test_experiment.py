@@ -510,6 +510,9 @@ def test_runs_from_other_machines_pool_into_the_results_and_the_claims(tmp_path)
     assert res["claims"][0]["status"] == "met", res["claims"][0]
     md = (here / "results.md").read_text()
     assert f"| run 1 (seed 0) | {other}: seed 0 |" in md and f"(`--pool`): {other}." in md
+    again = subprocess.run([*cmd, "--pool", str(other), str(here)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "repeats a run already counted" in again.stdout + again.stderr
+    assert json.loads((here / "results.json").read_text())["regimes"][1]["runs"] == [22 / 24, 20 / 24]  # once each
     missing = subprocess.run([*cmd, "--pool", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "is not a directory" in missing.stdout + missing.stderr
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import re
 import subprocess
@@ -66,6 +67,8 @@ from infra.run.fork import fork_run
 from infra.run.results_table import markdown, plot, print_table, results, row  # noqa: F401 (row: the tests')
 from infra.streams import run_prefix
 from learner import checkpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -277,15 +280,21 @@ def runs_of(exp: Experiment, regime: Regime, pool: list[Path] | tuple[Path, ...]
     the `run_seed` it ran with (run i: i-1), which a missing run would otherwise shift; then those in each
     `pool` directory (other machines' or sittings' run directories of this experiment, `--pool`), in the
     same order, each marked with the directory it came from (`sitting`)."""
-    out = []
+    out, seen = [], set()
     for where in [None, *pool]:
         found = [(1, regime)]
         for path in (where or run_dir(exp)).glob(f"{regime.name}.r*"):
             base, i = split_run_name(path.name)
             if base == regime.name and i > 1:
                 found.append((i, repeat(regime, i)))
-        out += [{**s, "run_seed": i - 1, **({"sitting": str(where)} if where else {})}
-                for i, r in sorted(found, key=lambda x: x[0]) if (s := finished(exp, r, where)) is not None]
+        for i, r in sorted(found, key=lambda x: x[0]):
+            if (s := finished(exp, r, where)) is None:
+                continue
+            if (same := json.dumps(s, sort_keys=True)) in seen:  # a copy of a run already counted (timings differ run to run)
+                log.warning("%s: %s repeats a run already counted; counted once", where, r.name)
+                continue
+            seen.add(same)
+            out.append({**s, "run_seed": i - 1, **({"sitting": str(where)} if where else {})})
     return out
 
 
