@@ -22,9 +22,9 @@ with the figures so far. A regime whose repeats would reproduce its first run (n
 greedy evaluation: base, SFT; experiment.identical_repeats) counts as repeated with one run. A claim
 whose regimes have not run is `not run`. Runs pooled from other machines' run directories
 (`dreamgym experiment --pool`) count as runs; each side's runs are resampled apart, so a run is compared
-with all of its baseline's runs, not paired with its own machine's (wider, not narrower, than pairing). Each comes with the figures that decide it, so a collection's
-`results.md` says what it showed instead of a reader working it out across rows. Nothing here runs
-a regime.
+with all of its baseline's runs, not paired with its own machine's (wider, not narrower, than
+pairing). Each comes with the figures that decide it, so a collection's `results.md` says what it
+showed instead of a reader working it out across rows. Nothing here runs a regime.
 
 How many repeats: runs of one regime have differed by up to 56 points on the CPU preset
 (dreamgym_grpo: 0.917 and 0.354, docs/experiments.md); its six runs on the recipe of footnotes 22-26
