@@ -306,6 +306,12 @@ def by_slice(r: dict) -> str:
         (f" (trained {_pct(trained['success_rate'])})" if trained else "")
 
 
+def _columns(r: dict) -> list[tuple[str, int]]:
+    """Each of a row's runs as its column of "Runs by seed": where it ran ("" here, else its --pool directory)
+    and its run seed."""
+    return list(zip(r.get("run_sittings") or [""] * len(r["runs"]), r["run_seeds"]))
+
+
 def by_seed_lines(regimes: list[dict]) -> list[str]:
     """The section that lists each repeated regime's runs one by one, by run seed (run i: infra.run_seed i-1):
     held-out success, the paired difference to its baseline and, where the evaluation counted them
@@ -314,8 +320,7 @@ def by_seed_lines(regimes: list[dict]) -> list[str]:
     repeated = [r for r in regimes if len(r.get("runs", [])) > 1]
     if not repeated:
         return []
-    # a run's column: where it ran ("" here, else its --pool directory) and its run seed
-    seeds = sorted({k for r in repeated for k in zip(r.get("run_sittings") or [""] * len(r["runs"]), r["run_seeds"])})
+    seeds = sorted({k for r in repeated for k in _columns(r)})
     lines = ["", "## Runs by seed", "", "| regime | " + " | ".join(
         f"run {k + 1} (seed {k})" if not where else f"{where}: seed {k}" for where, k in seeds)
              + " | mean |", "|" + "---|" * (len(seeds) + 2)]
@@ -324,7 +329,7 @@ def by_seed_lines(regimes: list[dict]) -> list[str]:
         diffs, invalid = r.get("run_diffs") or [None] * len(r["runs"]), r.get("run_invalid") or []
         if not any(invalid):  # label/score mode: every step names a candidate
             invalid = []
-        at = {k: i for i, k in enumerate(zip(r.get("run_sittings") or [""] * len(r["runs"]), r["run_seeds"]))}
+        at = {k: i for i, k in enumerate(_columns(r))}
         cell = []
         for k in seeds:
             if (i := at.get(k)) is None:
