@@ -159,6 +159,7 @@ class EngineConfig:
     max_body_mb: float = _f(4.0, "Embedded engine: largest request body in MB (413 beyond).", POSITIVE)
     max_prompts_per_request: int = _f(256, "Embedded engine: most prompts in one /generate request (400 beyond).", POSITIVE)
     max_queue: int = _f(1024, "Embedded engine: most requests waiting for a batch slot (429 with Retry-After beyond).", POSITIVE)
+    score_cache_mb: float = _f(256.0, "Embedded CPU engine: MB of scoring prompts' KV kept so a later scoring request runs only the tokens no kept prompt starts with (a score-mode episode's next step repeats the system prompt, the goal and often the room: 117 of 221 tokens on textworld_long); an LRU emptied at each weight version (infra/engine/score_cache.py); 0 = off.", NON_NEGATIVE)
     score_batch_tokens: int = _f(-1, "Embedded engine: the budget of one batched pass over waiting scoring requests (a score-mode policy's): on a GPU padded tokens (rows x width), on the CPU prompt tokens of one token tree (shared tokens once: 1.75x requests alone on 2 cores for requests in GRPO-like groups of 4, 1.09x for distinct prompts, where padded batches were 0.62x); 0 = each request alone on its own thread; -1 = 65536 on a GPU, 8192 on the CPU (benchmarks/engine_throughput.py --sections scoring).",
                                  (lambda v: isinstance(v, int) and v >= -1, "an integer >= -1"))
 

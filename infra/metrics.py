@@ -71,6 +71,7 @@ class EngineServerMetrics:
         self.weight_version = Gauge("engine_weight_version", "Weight version the engine serves.", registry=r)
         self.prompt_tokens = Counter("engine_prompt_tokens_total", "Prompt tokens the embedded engine admitted.", registry=r)
         self.prefix_cached_tokens = Counter("engine_prefix_cached_tokens_total", "Prompt tokens whose KV came from the prefix cache (not prefilled).", registry=r)
+        self.score_cached_tokens = Counter("engine_score_cached_tokens_total", "Scoring-request prompt tokens whose KV came from the CPU scorer's prompt cache (engines.score_cache_mb), not run.", registry=r)
         self.prefix_cache_bytes = Gauge("engine_prefix_cache_bytes", "Bytes of KV held by the embedded engine's prefix cache.", registry=r)
         self.rejected = Counter("engine_rejected_requests_total", "Requests the embedded engine refused before queueing them.", ["reason"], registry=r)
         self.server_seconds = Histogram("engine_server_request_seconds", "Time from admission to reply inside the embedded engine.", buckets=_LATENCY, registry=r)

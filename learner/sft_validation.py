@@ -28,7 +28,7 @@ import json
 import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -114,7 +114,8 @@ def play_validation(model: Any, tokenizer: Any, cfg: Any, tasks: Sequence[Task])
     (the driver calls the warm start synchronously from its own)."""
     async def go() -> dict:
         handle = await start_embedded_engine(model=cfg.engines.model, loaded=(model, tokenizer),
-                                             max_batch_size=cfg.engines.max_batch_size)
+                                             max_batch_size=cfg.engines.max_batch_size,
+                                             engine_cfg=replace(cfg.engines, threads=0))  # the process's threads
         client = EngineClient([handle.url], role="policy")
         try:
             policy = Policy.from_config(cfg.actors, client, tokenizer, temperature=0.0, seed=cfg.infra.seed)

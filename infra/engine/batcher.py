@@ -85,7 +85,7 @@ class Batcher:
     def __init__(self, model, tokenizer, max_batch_size: int = 16, weight_version: int = 0,
                  max_prefill_tokens: int = 4096, prefix_cache_mb: float = 0.0, max_queue: int = 1024,
                  metrics: EngineServerMetrics | None = None, score_batch_tokens: int = -1,
-                 speculative_tokens: int = 0, threads: int = 0, decode_graphs: str = "off"):
+                 speculative_tokens: int = 0, threads: int = 0, decode_graphs: str = "off", score_cache_mb: float = 0.0):
         self.model = model
         # Torch threads of the decode and scoring threads (0: as the starting thread had them); set_threads.
         self.threads = threads
@@ -123,8 +123,9 @@ class Batcher:
         self.requests_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
-        # Scoring requests, beside the loop: padded batches on a GPU, token trees on a CPU (infra/engine/scorer.py).
-        self.scorer = Scorer(self._serving, batch_budget(score_batch_tokens, self.device), tree=self.device.type == "cpu")
+        # Scoring requests, beside the loop: padded batches on a GPU, token trees (and a prompt cache) on a CPU.
+        self.scorer = Scorer(self._serving, batch_budget(score_batch_tokens, self.device), tree=self.device.type == "cpu",
+                             cache_bytes=int(score_cache_mb * 2 ** 20), on_cached=self.metrics.score_cached_tokens.inc)
         self.scorer.threads = threads
 
     # --- public, any thread ---

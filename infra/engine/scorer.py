@@ -22,6 +22,11 @@ prompts (`benchmarks/engine_throughput.py --sections scoring --concurrency 16`).
 `batch_tokens` 0 the queue scores each request alone, on `ALONE_THREADS` threads, as the
 engine did before.
 
+On the CPU the tree also takes what earlier requests' prompts share with it from a prompt cache
+(`cache_bytes`, engines.score_cache_mb; infra/engine/score_cache.py): an episode's next step
+repeats most of its last prompt, which a tree of concurrent requests from different games cannot
+share.
+
 A chunk that fails (out of memory, a bug) is retried one request at a time, so a bad
 request fails alone.
 """
@@ -37,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from infra.engine.request import EngineStopped
+from infra.engine.score_cache import ScoreCache, cached_tree_logprobs
 from infra.engine.scoring import batched_continuation_logprobs, tree_continuation_logprobs
 
 log = logging.getLogger(__name__)
@@ -84,10 +90,14 @@ class Scorer:
     `batch_tokens` (padded tokens; with `tree`, prompt tokens of one token tree), or (0)
     ALONE_THREADS taking one job each. `current()` gives (model, weight version)."""
 
-    def __init__(self, current: Callable[[], tuple[Any, int]], batch_tokens: int = 0, tree: bool = False):
+    def __init__(self, current: Callable[[], tuple[Any, int]], batch_tokens: int = 0, tree: bool = False,
+                 cache_bytes: int = 0, on_cached: Callable[[int], None] | None = None):
         self.current = current
         self.batch_tokens = batch_tokens
         self.tree = tree
+        # the tree's prompt cache (one scoring thread owns it); on_cached(n): n prompt tokens it answered
+        self.cache = ScoreCache(cache_bytes) if tree and batch_tokens > 0 and cache_bytes > 0 else None
+        self.on_cached = on_cached
         self._pending: list[ScoreJob] = []
         self._cv = threading.Condition()
         self._stopping = False
@@ -171,7 +181,7 @@ class Scorer:
             return
         model, version = self.current()
         try:
-            answers = self._compute(model, chunk)
+            answers = self._compute(model, version, chunk)
         except Exception as exc:
             if len(chunk) > 1:  # find the request that breaks it: each alone
                 log.warning("a batch of %d scoring requests failed (%r); retrying them one by one", len(chunk), exc)
@@ -183,14 +193,21 @@ class Scorer:
         for job, rows in zip(chunk, answers):
             _settle(job.future, result=(rows, version))
 
-    def _compute(self, model: Any, chunk: list[ScoreJob]) -> list[list[list[float]]]:
+    def _compute(self, model: Any, version: int, chunk: list[ScoreJob]) -> list[list[list[float]]]:
         """Per job, per prompt: the log-probs of its tokens from `start` on."""
         items, owners = [], []
         for j, job in enumerate(chunk):
             its, members = job.items()
             items += its
             owners += [(j, m) for m in members]
-        lps, _ = (tree_continuation_logprobs if self.tree else batched_continuation_logprobs)(model, items)
+        if self.cache is not None:
+            self.cache.for_version(version)
+            before = self.cache.hit_tokens
+            lps = cached_tree_logprobs(model, items, self.cache)
+            if self.on_cached is not None:
+                self.on_cached(self.cache.hit_tokens - before)
+        else:
+            lps, _ = (tree_continuation_logprobs if self.tree else batched_continuation_logprobs)(model, items)
         out: list[list[list[float]]] = [[[] for _ in job.prompts] for job in chunk]
         for (j, members), per_item in zip(owners, lps):
             for i, lp in zip(members, per_item):

@@ -150,7 +150,8 @@ class TokenTrie:
     by each continuation but its last token, as paths of nodes (node n: token ids[n], its parent
     node or -1, its depth = its position; len(ids) tokens run through the model). reads[k] = (node whose logits predict a token, that
     token), in item, continuation, token order; spans[i][j] = (first read, count) of item i's
-    continuation j; last[i]: the node of item i's last prefix token."""
+    continuation j; last[i]: the node of item i's last prefix token; prefix_nodes[i]: the nodes of
+    item i's prefix, in order."""
 
     def __init__(self, items: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]]):
         _check_items("tree_continuation_logprobs", items)
@@ -161,9 +162,11 @@ class TokenTrie:
         self.reads: list[tuple[int, int]] = []
         self.spans: list[list[tuple[int, int]]] = []
         self.last: list[int] = []
+        self.prefix_nodes: list[list[int]] = []
         for prefix, conts in items:
             n = len(prefix)
-            self.last.append(self._insert(prefix)[-1])
+            self.prefix_nodes.append(self._insert(prefix))
+            self.last.append(self.prefix_nodes[-1][-1])
             mine = []
             for c in conts:
                 path = self._insert([*prefix, *c[:-1]])

@@ -156,7 +156,8 @@ class EngineApp:
                                   "is_generation": True, "weight_version": self.batcher.weight_version,
                                   "max_batch_size": self.batcher.max_batch_size, "dtype": self.dtype,
                                   "engine": "dreamgym-embedded", "torch_threads": _torch_threads(),
-                                  "prefix_cache_mb": self.batcher.prefix_cache.budget_bytes / 2 ** 20})
+                                  "prefix_cache_mb": self.batcher.prefix_cache.budget_bytes / 2 ** 20,
+                                  "score_cache_mb": (c.budget / 2 ** 20 if (c := self.batcher.scorer.cache) else 0.0)})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
@@ -425,6 +426,7 @@ async def start_embedded_engine(model: str = "smollm2", host: str = "127.0.0.1",
     threads = apply_threads(device, e.threads) if device.startswith("cpu") else 0
     batcher = Batcher(m, tok, max_batch_size=max_batch_size, weight_version=weight_version,
                       prefix_cache_mb=e.prefix_cache_mb, max_queue=e.max_queue, score_batch_tokens=e.score_batch_tokens,
+                      score_cache_mb=e.score_cache_mb,
                       speculative_tokens=e.speculative_tokens, threads=threads,
                       decode_graphs="cuda" if e.cuda_graphs and device.startswith("cuda") else "off")
     batcher.start()
