@@ -108,7 +108,6 @@ def cached_tree_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequen
     docstring); every item's prompt is then stored in `cache`. Under no_grad (the engine's path)."""
     trie = TokenTrie(items)
     device = next(model.parameters()).device
-    size = len(trie.ids)
     must_run = {node for node, _ in trie.reads} | set(trie.last)
     held: dict[int, tuple[_Entry, int]] = {}  # node -> (entry holding it, its position there)
     for (prefix, _), nodes in zip(items, trie.prefix_nodes):
@@ -122,14 +121,10 @@ def cached_tree_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequen
     for node, (entry, _) in held.items():
         by_entry.setdefault(id(entry), (entry, []))[1].append(node)
     past = [node for _, nodes in by_entry.values() for node in nodes]
-    run = [node for node in range(size) if node not in held]
+    run = [node for node in range(len(trie.ids)) if node not in held]
     column = {node: i for i, node in enumerate(past + run)}
 
-    ancestors = torch.zeros((size, size), dtype=torch.bool)
-    for node, up in enumerate(trie.parent):  # a node sees its parent's ancestors and itself
-        if up >= 0:
-            ancestors[node] = ancestors[up]
-        ancestors[node, node] = True
+    ancestors = trie.ancestors()
     order = torch.tensor(past + run, dtype=torch.long)
     mask = ancestors[torch.tensor(run, dtype=torch.long)][:, order]
 

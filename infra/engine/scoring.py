@@ -174,6 +174,15 @@ class TokenTrie:
                 self.reads += zip(path[n - 1:], (int(t) for t in c))
             self.spans.append(mine)
 
+    def ancestors(self) -> torch.Tensor:
+        """[n, n] bool: node i sees node j (j is i or one of its ancestors), the tree's attention mask."""
+        mask = torch.zeros((len(self.ids), len(self.ids)), dtype=torch.bool)
+        for node, up in enumerate(self.parent):  # a node sees its parent's ancestors and itself
+            if up >= 0:
+                mask[node] = mask[up]
+            mask[node, node] = True
+        return mask
+
     def _insert(self, seq: Sequence[int]) -> list[int]:
         """The node of each token of `seq`, created where no path shares it yet."""
         path, at = [], -1
@@ -211,12 +220,7 @@ def tree_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int], 
     if trie is None:
         trie = TokenTrie(items)
     device = next(model.parameters()).device
-    size = len(trie.ids)
-    mask = torch.zeros((size, size), dtype=torch.bool)
-    for node, up in enumerate(trie.parent):  # a node sees its parent's ancestors and itself
-        if up >= 0:
-            mask[node] = mask[up]
-        mask[node, node] = True
+    mask = trie.ancestors()
     keep = sorted({node for node, _ in trie.reads} | set(trie.last))
     row = {node: i for i, node in enumerate(keep)}
     out = model(input_ids=torch.tensor([trie.ids], dtype=torch.long, device=device),
