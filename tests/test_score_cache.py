@@ -103,6 +103,9 @@ async def test_an_engine_started_from_the_setting_answers_as_one_without_the_cac
                                              engine_cfg=EngineConfig(threads=0, score_cache_mb=mb))
         try:
             assert (handle.batcher.scorer.cache is not None) == (mb > 0)
+            client = EngineClient([handle.url], role="policy")
+            assert (await client.model_info())["score_cache_mb"] == mb
+            await client.close()
             answers[mb] = await _score_episode(handle.url, tok)
             counted[mb] = handle.batcher.metrics.score_cached_tokens._value.get()
         finally:

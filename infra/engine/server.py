@@ -157,7 +157,7 @@ class EngineApp:
                                   "max_batch_size": self.batcher.max_batch_size, "dtype": self.dtype,
                                   "engine": "dreamgym-embedded", "torch_threads": _torch_threads(),
                                   "prefix_cache_mb": self.batcher.prefix_cache.budget_bytes / 2 ** 20,
-                                  "score_cache_mb": (c.budget / 2 ** 20 if (c := self.batcher.scorer.cache) else 0.0)})
+                                  "score_cache_mb": (c.budget / 2 ** 20 if (c := self.batcher.scorer.cache) is not None else 0.0)})
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await self._json_body(request)
