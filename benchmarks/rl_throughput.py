@@ -22,6 +22,10 @@ on the trajectory backlog); "new" switches on each improvement that its flag lea
     --prefix-cache on|off    engines.prefix_cache_mb (256 MB vs 0)
     --learner-sched on|off   learner.threads=1, learner.nice=5 (a dedicated, lower-priority update thread),
                              actors.max_trajectory_backlog=8 (rollouts stop running ahead of the learner)
+    --score-cache on|off     engines.score_cache_mb (256 MB vs 0): the CPU scorer's prompt cache (score mode)
+
+A setting named "new-<switch>" (e.g. `--settings new-score-cache,new`) is "new" without that one
+switch: its effect alone, measured in one run.
 
 Each setting starts its own services (engines included), so they do not share caches.
 Mexp is `--mexp DIR`, else the config's SFT checkpoint (cached under its data_dir, built
@@ -65,11 +69,12 @@ from infra.run.services import Services  # noqa: E402
 from learner import mexp_sft  # noqa: E402
 
 OLD = {"actors.action_mode": "label", "actors.multi_turn": False, "engines.prefix_cache_mb": 0.0,
-       "learner.threads": 0, "learner.nice": 0, "actors.max_trajectory_backlog": 256}
+       "engines.score_cache_mb": 0.0, "learner.threads": 0, "learner.nice": 0, "actors.max_trajectory_backlog": 256}
 SWITCHES = {  # flag -> the overrides it turns on in the "new" setting
     "score": {"actors.action_mode": "score"},
     "packed": {"actors.multi_turn": True},
     "prefix_cache": {"engines.prefix_cache_mb": 256.0},
+    "score_cache": {"engines.score_cache_mb": 256.0},
     "learner_sched": {"learner.threads": 1, "learner.nice": 5, "actors.max_trajectory_backlog": 8},
 }
 
@@ -91,6 +96,7 @@ async def engine_figures(url: str) -> dict:
             "generated": values.get("engine_server_generated_tokens_total", 0.0),
             "prompt": values.get("engine_prompt_tokens_total", 0.0),
             "cached": values.get("engine_prefix_cached_tokens_total", 0.0),
+            "score_cached": values.get("engine_score_cached_tokens_total", 0.0),
             "requests": values.get("engine_server_request_seconds_count", 0.0)}
 
 
@@ -100,9 +106,10 @@ def inapplicable(args: argparse.Namespace) -> set[str]:
 
 
 def setting_overrides(name: str, args: argparse.Namespace) -> dict:
+    """"old", "new", or "new-<switch>": new without that one switch (its effect alone, in one run)."""
     out = dict(OLD)
-    if name == "new":
-        skip = inapplicable(args)
+    if name == "new" or name.startswith("new-"):
+        skip = inapplicable(args) | {name[len("new-"):].replace("-", "_")}
         for flag, over in SWITCHES.items():
             if getattr(args, flag) == "on" and flag not in skip:
                 out.update(over)
@@ -154,8 +161,13 @@ def main() -> None:
     for flag in sorted(inapplicable(args)):
         print(f"--{flag} skipped: --score on scores each candidate on a per-step prompt (no multi-turn chat to "
               f"pack)", flush=True)
+    names = [s for s in args.settings.split(",") if s]
+    unknown = [n for n in names if n not in ("old", "new") and n[len("new-"):].replace("-", "_") not in SWITCHES]
+    if unknown:
+        ap.error(f"--settings: {', '.join(unknown)}: each is old, new or new-<switch> "
+                 f"({', '.join(f.replace('_', '-') for f in SWITCHES)})")
     results = []
-    for name in [s for s in args.settings.split(",") if s]:
+    for name in names:
         cfg = load_config(args.config, [f"{k}={v}" for k, v in setting_overrides(name, args).items()] + list(args.set))
         mexp = cfg.engines.model if args.mexp == "base" else (args.mexp or None)
         if mexp is None and not (mexp_sft.cache_dir(cfg) / "config.json").exists():
@@ -173,7 +185,8 @@ def main() -> None:
             print(f"  {role} engine: {e['requests']:.0f} requests, {e['generated']:.0f} tokens generated "
                   f"({e['generated'] / r['seconds']:.1f}/s), mean forward batch {e['rows'] / max(e['forwards'], 1):.1f} "
                   f"over {e['forwards']:.0f} forwards, {e['prompt']:.0f} prompt tokens of which {e['cached']:.0f} "
-                  f"from the prefix cache", flush=True)
+                  f"from the prefix cache; {e['score_cached']:.0f} scoring prompt tokens from the score cache",
+                  flush=True)
     print(f"\n{'setting':>8} {'traj/s':>8} {'updates/min':>12} {'learner tok/s':>14} {'tok/s in updates':>17} "
           f"{'s/update':>9} {'steps':>6}  load(1m) at end")
     for r in results:
