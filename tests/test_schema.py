@@ -219,7 +219,7 @@ def _reference_step_ok(d: dict) -> bool:
     lens = d["choice_lengths"]
     if not isinstance(lens, list) or len(lens) > schema.MAX_TOKENS:
         return False
-    if lens and not (all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= schema.MAX_TOKENS for n in lens)
+    if lens and not (all(isinstance(n, int) and 1 <= n <= schema.MAX_TOKENS for n in lens)  # bools as ints, as token ids
                      and sum(lens) == len(choices)):
         return False
     per = 1 if lens else len(ids)  # score mode: one value for the whole choice
