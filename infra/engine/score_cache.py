@@ -40,7 +40,8 @@ from infra.engine.scoring import TokenTrie
 
 @dataclass
 class _Entry:
-    ids: np.ndarray  # the prompt's token ids
+    key: tuple[int, ...]  # the prompt's token ids, as the cache's key
+    ids: np.ndarray  # the same, for comparing
     keys: list[torch.Tensor]  # per layer [1, kv_heads, len(ids), head_dim]
     values: list[torch.Tensor]
     nbytes: int
@@ -48,7 +49,7 @@ class _Entry:
 
 class ScoreCache:
     """Prompts' keys and values, least recently used first out, at most `budget_bytes` in all, for one
-    weight version at a time. `hits_tokens` / `prompt_tokens`: prompt tokens taken from the cache / asked."""
+    weight version at a time. `hit_tokens` / `prompt_tokens`: prompt tokens taken from the cache / asked."""
 
     def __init__(self, budget_bytes: int):
         self.budget = int(budget_bytes)
@@ -82,23 +83,30 @@ class ScoreCache:
             if k > shared:
                 best, shared = entry, k
         if best is not None:
-            self._entries.move_to_end(tuple(best.ids.tolist()))
+            self._entries.move_to_end(best.key)
         return best, shared
+
+    def holds(self, prompt: Sequence[int]) -> bool:
+        """Whether `prompt` itself is kept (then it counts as just used)."""
+        key = tuple(int(t) for t in prompt)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        return False
 
     def store(self, prompt: Sequence[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Keep `prompt`'s keys and values (evicting the least recently used); one larger than the budget
         is not kept."""
-        key = tuple(int(t) for t in prompt)
-        if key in self._entries:
-            self._entries.move_to_end(key)
+        if self.holds(prompt):
             return
+        key = tuple(int(t) for t in prompt)
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         if nbytes > self.budget:
             return
         while self._entries and self.bytes + nbytes > self.budget:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.nbytes
-        self._entries[key] = _Entry(np.asarray(key, dtype=np.int64), keys, values, nbytes)
+        self._entries[key] = _Entry(key, np.asarray(key, dtype=np.int64), keys, values, nbytes)
         self.bytes += nbytes
 
 
@@ -152,6 +160,8 @@ def cached_tree_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequen
 
     layers = out.cache.layers
     for (prefix, _), nodes in zip(items, trie.prefix_nodes):
+        if cache.holds(prefix):  # asked again: no copy of what is kept
+            continue
         at = torch.tensor([column[n] for n in nodes], dtype=torch.long, device=device)
         cache.store(prefix, [layer.keys.index_select(2, at) for layer in layers],
                     [layer.values.index_select(2, at) for layer in layers])
