@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
+from infra.engine.kv import cache_arg, returned_cache
 from infra.engine.padding import left_padded_mask
 
 def choice_forward(model: Any, tokenizer: Any, prompts: Sequence[str], want_hidden: bool = False):
@@ -148,7 +149,7 @@ def packed_forward(model: Any, segments: Sequence[Segment], want_hidden: bool = 
     def run(ids: Sequence[int], keep: Sequence[int], cache: Any = None):
         out = model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device),
                     logits_to_keep=torch.tensor(list(keep) or [len(ids) - 1], dtype=torch.long, device=device),
-                    output_hidden_states=want_hidden, past_key_values=cache, use_cache=cache is not None)
+                    output_hidden_states=want_hidden, use_cache=cache is not None, **cache_arg(cache))
         lg = out.logits[0][:len(keep)]
         hd = out.hidden_states[-1][0].index_select(0, torch.tensor(list(keep), dtype=torch.long, device=device)) \
             if want_hidden else None
@@ -168,7 +169,7 @@ def packed_forward(model: Any, segments: Sequence[Segment], want_hidden: bool = 
                     output_hidden_states=want_hidden, use_cache=True)
         row = {p: i for i, p in enumerate(head)}
         head_hidden = out.hidden_states[-1][0] if want_hidden else None
-        prefix_cache = out.past_key_values
+        prefix_cache = returned_cache(out)
         tokens += n
         for s in members:
             cache = DynamicCache(config=model.config)

@@ -11,6 +11,7 @@ reused; and the warm start's validation (reached by `dreamgym train` with
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from infra.config import EngineConfig, load_config
 from infra.engine import scorer as scorer_module
 from infra.engine.client import EngineClient
+from infra.engine.kv import CACHE_ARG, cache_arg, returned_cache
 from infra.engine.models import load_model
 from infra.engine.score_cache import ScoreCache, cached_tree_logprobs
 from infra.engine.scoring import tree_continuation_logprobs
@@ -57,6 +59,23 @@ def test_the_cached_tree_gives_the_uncached_trees_logprobs_round_after_round(tin
             assert _gap(ref, cached_tree_logprobs(model, items, cache)) <= 1e-5
     assert 0 < cache.hit_tokens < cache.prompt_tokens
     assert len(cache) > 1
+
+
+def test_a_kv_cache_reaches_the_model_under_the_installed_transformers_name(tiny):
+    """transformers 5.24 renamed `past_key_values` to `cache`; an older release swallows `cache=` unread
+    into **kwargs, and the next tokens then attend to nothing. Under the name `cache_arg` picks, the
+    second half of a sequence run over the first half's cache gives the logits of one full forward."""
+    model, _ = tiny
+    assert CACHE_ARG in inspect.signature(type(model).forward).parameters
+    ids = torch.tensor([[11, 523, 77, 4096, 31, 902, 18, 2048]])
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        head = model(input_ids=ids[:, :5], use_cache=True)
+        tail = model(input_ids=ids[:, 5:], position_ids=torch.arange(5, 8)[None], use_cache=True,
+                     **cache_arg(returned_cache(head)))
+    assert (tail.logits - full[:, 5:]).abs().max().item() <= 1e-5
+    alone = model(input_ids=ids[:, 5:], position_ids=torch.arange(5, 8)[None]).logits
+    assert (alone - full[:, 5:]).abs().max().item() > 1e-3  # the check can tell a cache that was not read
 
 
 def test_the_cache_keeps_within_its_bytes_and_forgets_other_weights():

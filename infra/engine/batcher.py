@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from infra.engine.decode_graph import DecodeGraphs
-from infra.engine.kv import SlotCache
+from infra.engine.kv import SlotCache, cache_arg
 from infra.engine.prefix_cache import PrefixCache, common_prefix_length
 from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFull, RequestError, RequestFailed,
                                   SamplingParams)
@@ -300,7 +300,7 @@ class Batcher:
         return self._slots
 
     def _forward(self, ids: torch.Tensor, mask4d: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask4d, position_ids=positions, past_key_values=self._slots,
+        out = self.model(input_ids=ids, attention_mask=mask4d, position_ids=positions, **cache_arg(self._slots),
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
@@ -426,7 +426,7 @@ class Batcher:
         positions = slots.pos[:n, None] + torch.arange(k + 1, device=self.device)
         slots.window(0, n, end, end + k + 1, lo)
         out = self.model(input_ids=ids.to(self.device), attention_mask=mask4d, position_ids=positions,
-                         past_key_values=slots, use_cache=True, logits_to_keep=k + 1)
+                         use_cache=True, logits_to_keep=k + 1, **cache_arg(slots))
         logits = out.logits.float()  # [n, k + 1, vocab]
         greedy = logits.argmax(dim=-1).tolist()
         acc = [accepted(g, d) for g, d in zip(greedy, drafts)]

@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from infra.engine.kv import SlotCache
+from infra.engine.kv import SlotCache, cache_arg
 from infra.metrics import EngineServerMetrics
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ class DecodeGraphs:
     def _forward(self, slots: SlotCache, rows: int) -> torch.Tensor:
         """The step itself: reads only the static buffers and the cache buffer, so it can be captured."""
         out = self.model(input_ids=self.ids[:rows], attention_mask=self.mask[:rows], position_ids=self.pos[:rows],
-                         past_key_values=_ColumnWriter(slots, rows, self.col), use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1,
+                         **cache_arg(_ColumnWriter(slots, rows, self.col)))
         return out.logits[:, -1, :].float()
 
     def _capture(self, slots: SlotCache, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -17,11 +17,32 @@ columns before `end`), and rows leave by moving the last rows down.
 
 Departure from HF's StaticCache: the views cover only the live columns
 `[lo, end)`, not the whole capacity, so attention costs what the batch holds.
+
+Also owns the name a model's forward gives its KV cache: transformers 5.24 renamed the argument
+and the output field `past_key_values` to `cache` (the old name warns until 5.40, which drops it),
+and an older release would swallow `cache=` unread into its `**kwargs`. `cache_arg` / `returned_cache`
+pass and read it under the installed release's name, for the engine and the learner alike.
 """
 
 from __future__ import annotations
 
+from importlib.metadata import version
+from typing import Any
+
 import torch
+
+# transformers >= 5.24 names a forward's KV cache `cache`; earlier releases `past_key_values`
+CACHE_ARG = "cache" if tuple(int(x) for x in version("transformers").split(".")[:2]) >= (5, 24) else "past_key_values"
+
+
+def cache_arg(cache: Any) -> dict[str, Any]:
+    """The keyword that hands `cache` to a model's forward, e.g. `model(ids, **cache_arg(kv))`."""
+    return {CACHE_ARG: cache}
+
+
+def returned_cache(out: Any) -> Any:
+    """The KV cache a forward returned (`use_cache=True`)."""
+    return getattr(out, CACHE_ARG)
 
 
 class SlotCache:

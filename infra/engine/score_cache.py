@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from infra.engine.kv import cache_arg, returned_cache
 from infra.engine.scoring import TokenTrie
 
 
@@ -152,13 +153,13 @@ def cached_tree_logprobs(model: Any, items: Sequence[tuple[Sequence[int], Sequen
     out = model(input_ids=torch.tensor([[trie.ids[n] for n in run]], dtype=torch.long, device=device),
                 attention_mask=mask[None, None].to(device),
                 position_ids=torch.tensor([[trie.depth[n] for n in run]], dtype=torch.long, device=device),
-                cache=kv, use_cache=True,
+                use_cache=True, **cache_arg(kv),
                 logits_to_keep=torch.tensor([local[n] for n in keep], dtype=torch.long, device=device))
     logp = out.logits[0].float().log_softmax(-1)
     flat = logp[torch.tensor([row[node] for node, _ in trie.reads], dtype=torch.long, device=device),
                 torch.tensor([t for _, t in trie.reads], dtype=torch.long, device=device)]
 
-    layers = out.cache.layers
+    layers = returned_cache(out).layers
     for (prefix, _), nodes in zip(items, trie.prefix_nodes):
         if cache.holds(prefix):  # asked again: no copy of what is kept
             continue

@@ -38,6 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from infra.engine.padding import left_padded_mask
+from infra.engine.kv import cache_arg, returned_cache
 
 
 def continuation_logprobs(model: Any, prefix: Sequence[int], continuations: Sequence[Sequence[int]],
@@ -59,14 +60,14 @@ def continuation_logprobs(model: Any, prefix: Sequence[int], continuations: Sequ
         return [first[list(c)] for c in continuations], hidden
     b = len(continuations)
     cache = DynamicCache(config=model.config)
-    for li, layer in enumerate(out.past_key_values.layers):
+    for li, layer in enumerate(returned_cache(out).layers):
         cache.update(layer.keys.expand(b, *layer.keys.shape[1:]), layer.values.expand(b, *layer.values.shape[1:]), li)
     ids = torch.zeros((b, width - 1), dtype=torch.long, device=device)
     for i, c in enumerate(continuations):
         ids[i, :len(c) - 1] = torch.tensor(list(c[:-1]), dtype=torch.long, device=device)
     n = len(prefix)
     positions = torch.arange(n, n + width - 1, device=device).expand(b, -1)
-    rest = model(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=True).logits.float()
+    rest = model(input_ids=ids, position_ids=positions, use_cache=True, **cache_arg(cache)).logits.float()
     rest = rest.log_softmax(-1)  # [b, width-1, V]: position t predicts token t+1
     result = []
     for i, c in enumerate(continuations):
@@ -116,7 +117,7 @@ def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int
         return result, hidden
     owner = torch.tensor([i for i, _ in rows], dtype=torch.long, device=device)
     cache = DynamicCache(config=model.config)
-    for li, layer in enumerate(out.past_key_values.layers):
+    for li, layer in enumerate(returned_cache(out).layers):
         if n == 1:  # one prefix: its rows as a view, no copy (the engine's CPU path, a request at a time)
             cache.update(layer.keys.expand(len(rows), *layer.keys.shape[1:]),
                          layer.values.expand(len(rows), *layer.values.shape[1:]), li)
@@ -134,7 +135,7 @@ def batched_continuation_logprobs(model: Any, items: Sequence[tuple[Sequence[int
     # after every real token, so it never reaches a real query).
     tail_causal = (tcols[None, :] <= tcols[:, None])[None].expand(r, -1, -1)
     cmask = torch.cat([real.index_select(0, owner)[:, None, :].expand(-1, tail_width, -1), tail_causal], dim=-1)[:, None]
-    rest = model(input_ids=cids.to(device), attention_mask=cmask, position_ids=cpos, past_key_values=cache,
+    rest = model(input_ids=cids.to(device), attention_mask=cmask, position_ids=cpos, **cache_arg(cache),
                  use_cache=True).logits.float().log_softmax(-1)  # [r, tail_width, V]
     # One gather for every row: a per-row select would make its backward write a zero tensor the
     # size of all the rows' logits, once per row.
