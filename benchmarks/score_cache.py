@@ -5,11 +5,9 @@ seeded split of the offline data, the same greedy score-mode episodes in real Te
 policy, once with `engines.score_cache_mb=0` and once with it set, in one process, one after the
 other. Prints each pass's wall time, the ratio, the share of prompt tokens taken from the cache,
 whether every game went the same way (success and steps), and the load average beside each.
-Then the validation loss over the held-back expert steps (learner/policy_sft.py `validation_loss`,
-which the warm start computes at every evaluation) the same two ways: time, ratio, both losses.
 
     python benchmarks/score_cache.py configs/experiments/base/textworld_long.yaml --limit 12
-    python benchmarks/score_cache.py CONFIG --model runs/<exp>/<regime>/... --cache-mb 256 --limit 0
+    python benchmarks/score_cache.py CONFIG --model runs/<exp>/<regime>/... --cache-mb 256
 
 Needs the config's offline data (any `dreamgym experiment` or `dreamgym collect` of it).
 """
@@ -32,7 +30,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="a train config whose data directory holds offline data")
     p.add_argument("--model", default="", help="the policy to play (default: the config's engines.model, untrained)")
-    p.add_argument("--limit", type=int, default=12, help="validation games to play (default 12; 0: the loss only)")
+    p.add_argument("--limit", type=int, default=12, help="validation games to play (default 12)")
     p.add_argument("--cache-mb", type=float, default=256.0, help="engines.score_cache_mb of the cached pass")
     p.add_argument("--json", default="", help="also write the figures to this file")
     args = p.parse_args()
@@ -42,7 +40,7 @@ def main() -> int:
     from infra.config import load_config
     from infra.engine import scorer
     from learner.policy_model import PolicyModel
-    from learner.policy_sft import is_expert, make_examples, validation_loss
+    from learner.policy_sft import is_expert
     from learner.precision import Precision
     from learner.sft_validation import play_validation, validation_split
     from simulator.mexp_data import load_offline
@@ -50,7 +48,7 @@ def main() -> int:
     cfg = load_config(args.config, [f"engines.model={args.model}"] if args.model else [])
     lc = cfg.learner
     offline = load_offline(cfg.infra.data_dir, cfg.actors.env_family)
-    _, val_trajs, tasks = validation_split(offline, lc.warm_start_val_fraction, lc.warm_start_val_min_tasks, cfg.infra.seed,
+    _, _, tasks = validation_split(offline, lc.warm_start_val_fraction, lc.warm_start_val_min_tasks, cfg.infra.seed,
                                    eligible=lambda t: is_expert(t) and t.success)
     tasks = tasks[:args.limit]
     torch.set_num_threads(lc.threads)
@@ -65,7 +63,7 @@ def main() -> int:
 
     scorer.ScoreCache = spy
     rows = {}
-    for mb in ((0.0, args.cache_mb) if tasks else ()):
+    for mb in (0.0, args.cache_mb):
         cfg.engines.score_cache_mb = mb
         t0 = time.perf_counter()
         report = play_validation(policy.lm, policy.tokenizer, cfg, tasks)
@@ -76,29 +74,14 @@ def main() -> int:
         print(f"cache {mb:g} MB: {len(tasks)} games in {wall:.1f} s, success {report['success_rate']:.3f} "
               f"[load {rows[mb]['load'][0]:.2f}]", flush=True)
     scorer.ScoreCache = real
-    out: dict = {"config": args.config, "model": cfg.engines.model, "games": len(tasks)}
-    if tasks:
-        off, on = rows[0.0], rows[args.cache_mb]
-        hit = sum(c.hit_tokens for c in seen)
-        asked = sum(c.prompt_tokens for c in seen)
-        out.update(off=off, on=on, speedup=round(off["seconds"] / on["seconds"], 2),
-                   same_outcomes=off["outcomes"] == on["outcomes"],
-                   cached_token_share=round(hit / asked, 3) if asked else None)
-        print(f"speedup {out['speedup']}x; prompt tokens from the cache {hit} of {asked} "
-              f"({100 * (out['cached_token_share'] or 0):.0f} %); same outcomes game for game: {out['same_outcomes']}")
-    examples = make_examples(cfg, val_trajs, policy.tokenizer, 1)  # as the warm start builds them
-    losses = {}
-    for mb in (0.0, args.cache_mb):
-        t0 = time.perf_counter()
-        loss = validation_loss(policy, examples, lc.warm_start_batch, mb)
-        losses[mb] = {"seconds": round(time.perf_counter() - t0, 1), "loss": loss,
-                      "load": [round(x, 2) for x in os.getloadavg()]}
-        print(f"validation loss, cache {mb:g} MB: {len(examples)} examples in {losses[mb]['seconds']} s, "
-              f"loss {loss:.6f} [load {losses[mb]['load'][0]:.2f}]", flush=True)
-    out["validation_loss"] = {"examples": len(examples), "off": losses[0.0], "on": losses[args.cache_mb],
-                              "speedup": round(losses[0.0]["seconds"] / losses[args.cache_mb]["seconds"], 2)}
-    print(f"validation loss speedup {out['validation_loss']['speedup']}x, "
-          f"|loss difference| {abs(losses[0.0]['loss'] - losses[args.cache_mb]['loss']):.2e}")
+    off, on = rows[0.0], rows[args.cache_mb]
+    hit = sum(c.hit_tokens for c in seen)
+    asked = sum(c.prompt_tokens for c in seen)
+    out = {"config": args.config, "model": cfg.engines.model, "games": len(tasks), "off": off, "on": on,
+           "speedup": round(off["seconds"] / on["seconds"], 2), "same_outcomes": off["outcomes"] == on["outcomes"],
+           "cached_token_share": round(hit / asked, 3) if asked else None}
+    print(f"speedup {out['speedup']}x; prompt tokens from the cache {hit} of {asked} "
+          f"({100 * (out['cached_token_share'] or 0):.0f} %); same outcomes game for game: {out['same_outcomes']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

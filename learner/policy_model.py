@@ -37,7 +37,6 @@ from infra.config import LearnerConfig
 from infra.engine.scoring import (TokenTrie, batched_continuation_logprobs, continuation_logprobs, mean_logprobs,
                                   tree_continuation_logprobs)
 from infra.engine.models import load_model
-from infra.engine.score_cache import ScoreCache, cached_tree_logprobs
 from learner.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ log = logging.getLogger(__name__)
 
 def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidates: Sequence[Sequence[Sequence[int]]],
                     chosen: Sequence[int], want_hidden: bool = False, layout: str = "padded",
-                    temperatures: Sequence[float] | None = None, score_cache: ScoreCache | None = None):
+                    temperatures: Sequence[float] | None = None):
     """The learner-side twin of score mode: (log-prob of each chosen candidate [B], differentiable;
     each prompt's last hidden state [B, H] or None; tokens run through the model). Identical prompts (a GRPO group's first step)
     with the same candidates run once.
@@ -56,11 +55,7 @@ def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidat
     prompt. On an H200 the per-prompt pairs made a 32-trajectory update take 30 s, host-bound; on the
     2-core CPU padded forward+backward was 1.41x (4 steps) and 1.13x (12 steps) the per-prompt speed,
     and on 21 real TextWorld steps the tree 1.7x the padded one in micro-batches of 8 steps, 2.6x as
-    one tree against padded batches of 8 (`benchmarks/learner_update.py --score N`).
-
-    `score_cache` (the tree, without hidden states, under no_grad only: a measurement such as the warm
-    start's validation loss): the engine scorer's prompt cache (infra/engine/score_cache.py), so a
-    prompt runs only the tokens that no earlier call's prompt starts with."""
+    one tree against padded batches of 8 (`benchmarks/learner_update.py --score N`)."""
     keys: dict[tuple, int] = {}
     for prompt, cands in zip(prompts, candidates):
         keys.setdefault((prompt, tuple(tuple(c) for c in cands)), len(keys))
@@ -69,11 +64,7 @@ def scored_logprobs(model: Any, tokenizer: Any, prompts: Sequence[str], candidat
     if layout == "per-prompt":
         found = [continuation_logprobs(model, prefix, cands, want_hidden) for prefix, cands in items]
     elif layout in ("padded", "tree"):
-        if layout == "tree" and score_cache is not None and not want_hidden and not torch.is_grad_enabled():
-            before = score_cache.hit_tokens
-            per_item, hid = cached_tree_logprobs(model, items, score_cache), None
-            tokens -= score_cache.hit_tokens - before
-        elif layout == "tree":
+        if layout == "tree":
             trie = TokenTrie(items)
             per_item, hid = tree_continuation_logprobs(model, items, want_hidden, trie)
             tokens = len(trie.ids)
@@ -147,7 +138,7 @@ class PolicyModel(nn.Module):
 
     def forward_choice(self, prompts: Sequence[str], choice_token_ids: Sequence[Sequence[int]],
                        chosen_ids: Sequence[int], temperatures: Sequence[float] | None = None,
-                       score_cache: ScoreCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log-prob of each chosen label [B], value [B] or None).
 
         Chained prompts (one multi-turn trajectory) run as one packed sequence. Identical
@@ -157,14 +148,12 @@ class PolicyModel(nn.Module):
 
         Score mode (actors/policy.py): each `choice_token_ids` entry is the list of candidates'
         token ids and each `chosen_ids` entry the chosen candidate's index. `temperatures`: each row's
-        distribution over its choices at that temperature (the one its rollout sampled at), else 1.
-        `score_cache`: score mode's prompt cache for a no-grad measurement (`scored_logprobs`)."""
+        distribution over its choices at that temperature (the one its rollout sampled at), else 1."""
         if is_scored(choice_token_ids):
             with self.precision.autocast():
                 logp, hidden, self.last_tokens = scored_logprobs(self.lm, self.tokenizer, prompts, choice_token_ids,
                                                                  chosen_ids, want_hidden=self.value_head is not None,
-                                                                 layout=self.score_layout, temperatures=temperatures,
-                                                                 score_cache=score_cache)
+                                                                 layout=self.score_layout, temperatures=temperatures)
             values = self.value_head(hidden.float()).squeeze(-1) if self.value_head is not None else None
             return logp, values
         logits, hidden, self.last_tokens = self._choice_logits(self.lm, prompts, chosen_ids,

@@ -44,7 +44,6 @@ from actors.generate_mode import expert_reply, expert_turns
 from actors.policy import MAX_CHAT_CHARS, MAX_CHOICES, PROMPT_FORMAT, PolicyDecision, choice_turn, score_turn
 from infra.config import ActorsConfig, LearnerConfig, add_config_arguments, config_from_args, section_settings, settings_key
 from infra.engine.models import load_tokenizer
-from infra.engine.score_cache import ScoreCache
 from infra.schema import Task, Trajectory
 from learner.policy_model import PolicyModel
 from learner.precision import Precision
@@ -188,13 +187,11 @@ def chat_logprobs(policy, examples: list[ChatExample]) -> torch.Tensor:
     return torch.log_softmax(picked, dim=-1).gather(-1, ids[bi, pi].view(-1, 1)).squeeze(-1)
 
 
-def example_logprobs(policy, batch: list, score_cache: ScoreCache | None = None) -> torch.Tensor:
-    """Per expert label (choice modes) or per reply token (generate mode): the log-prob the loss lowers.
-    `score_cache`: score mode's prompt cache, for a no-grad measurement (learner/policy_model.py)."""
+def example_logprobs(policy, batch: list) -> torch.Tensor:
+    """Per expert label (choice modes) or per reply token (generate mode): the log-prob the loss lowers."""
     if isinstance(batch[0], ChatExample):
         return chat_logprobs(policy, batch)
-    logp, _ = policy.forward_choice([e.prompt for e in batch], [e.labels for e in batch], [e.target for e in batch],
-                                    score_cache=score_cache)
+    logp, _ = policy.forward_choice([e.prompt for e in batch], [e.labels for e in batch], [e.target for e in batch])
     return logp
 
 
@@ -243,17 +240,14 @@ def train_on_examples(policy, examples: list, steps: int, lr: float = 1e-4, batc
 
 
 @torch.no_grad()
-def validation_loss(policy, examples: list, batch_size: int = 8, cache_mb: float = 0.0) -> float:
-    """Mean cross-entropy over `examples` (per expert label; generate mode: per reply token), no grad.
-    `cache_mb` > 0 (score mode): consecutive examples (one trajectory's steps, its candidate orders)
-    repeat most of a prompt, so their shared tokens run once, from a prompt cache of that size."""
+def validation_loss(policy, examples: list, batch_size: int = 8) -> float:
+    """Mean cross-entropy over `examples` (per expert label; generate mode: per reply token), no grad."""
     total, n = 0.0, 0
     was = policy.training
     policy.eval()
-    cache = ScoreCache(int(cache_mb * 2 ** 20)) if cache_mb > 0 else None
     try:
         for i in range(0, len(examples), batch_size):
-            logp = example_logprobs(policy, examples[i:i + batch_size], cache)
+            logp = example_logprobs(policy, examples[i:i + batch_size])
             total, n = total - float(logp.sum()), n + logp.numel()
     finally:
         policy.train(was)
@@ -296,8 +290,7 @@ def train_best(policy, cfg: Any, examples: list, val_examples: list, val_tasks: 
     while True:
         t0 = time.perf_counter()
         played = play_validation(policy.lm, policy.tokenizer, cfg, val_tasks)
-        point = CurvePoint(step, played["success_rate"], validation_loss(policy, val_examples, lc.warm_start_batch,
-                                                                     cfg.engines.score_cache_mb),
+        point = CurvePoint(step, played["success_rate"], validation_loss(policy, val_examples, lc.warm_start_batch),
                            sum(pending) / len(pending) if pending else None, played["episodes"],
                            round(time.perf_counter() - t0, 1))
         curve.append(point)

@@ -197,35 +197,6 @@ def test_a_few_generate_mode_warm_start_steps_lower_the_reply_loss(tiny_dir):
     assert len(losses) == 4 and after < before - 0.5, (before, after, losses)
 
 
-def test_the_score_mode_validation_loss_is_the_same_from_the_prompt_cache(tiny_dir, monkeypatch):
-    """The warm start's validation loss in score mode (`train_best` passes engines.score_cache_mb): a
-    trajectory's steps and their candidate orders repeat most of a prompt, and the cache runs those
-    tokens once; the loss is the uncached one's."""
-    from infra.engine.models import load_tokenizer
-    from infra.engine.score_cache import ScoreCache
-    from learner import policy_sft
-    from learner.policy_model import PolicyModel
-
-    made = []
-
-    class Recorded(ScoreCache):
-        def __init__(self, budget_bytes):
-            super().__init__(budget_bytes)
-            made.append(self)
-
-    monkeypatch.setattr(policy_sft, "ScoreCache", Recorded)
-    tok = load_tokenizer(str(tiny_dir))
-    examples = policy_sft.expert_examples([expert_episode(), expert_episode()], tok, permutations=3,
-                                          action_mode="score")
-    torch.manual_seed(0)
-    policy = PolicyModel(str(tiny_dir), lora_rank=0, score_layout="tree")
-    plain = policy_sft.validation_loss(policy, examples, batch_size=2)
-    assert not made
-    cached = policy_sft.validation_loss(policy, examples, batch_size=2, cache_mb=64)
-    assert len(examples) == 12 and abs(cached - plain) <= 1e-5, (cached, plain)
-    assert 0 < made[0].hit_tokens < made[0].prompt_tokens
-
-
 @pytest.fixture(scope="module")
 def tw5_data_dir(tmp_path_factory):
     """A data directory of 5 train games (tiny_run's one train game leaves none to validate on), shared."""
