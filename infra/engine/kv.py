@@ -30,9 +30,10 @@ from importlib.metadata import version
 from typing import Any
 
 import torch
+from packaging.version import Version
 
 # transformers >= 5.24 names a forward's KV cache `cache`; earlier releases `past_key_values`
-CACHE_ARG = "cache" if tuple(int(x) for x in version("transformers").split(".")[:2]) >= (5, 24) else "past_key_values"
+CACHE_ARG = "cache" if Version(version("transformers")).release[:2] >= (5, 24) else "past_key_values"
 
 
 def cache_arg(cache: Any) -> dict[str, Any]:

@@ -37,8 +37,8 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from infra.engine.padding import left_padded_mask
 from infra.engine.kv import cache_arg, returned_cache
+from infra.engine.padding import left_padded_mask
 
 
 def continuation_logprobs(model: Any, prefix: Sequence[int], continuations: Sequence[Sequence[int]],
