@@ -137,15 +137,15 @@ def measure_bound(threads: int) -> tuple[float, float]:
 
 
 def decode_bound(model, bw: float, flops: float, concurrency: int, context: float) -> float:
-    """Roofline tokens/s of decoding `concurrency` sequences of mean `context` tokens."""
+    """Roofline tokens/s of decoding `concurrency` sequences of mean `context` tokens (the KV in the model's dtype)."""
+    from infra.engine.kv import kv_bytes_per_token
+
     cfg = model.config
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
     heads = cfg.num_attention_heads
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    kv_bytes = cfg.num_hidden_layers * 2 * kv_heads * dim * 4
-    step_bytes = params + concurrency * context * kv_bytes
+    step_bytes = params + concurrency * context * kv_bytes_per_token(model)
     step_flops = concurrency * (2 * n_params + 4 * context * cfg.num_hidden_layers * heads * dim)
     return concurrency / max(step_bytes / bw, step_flops / flops)
 

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from infra.engine.decode_graph import DecodeGraphs
-from infra.engine.kv import SlotCache, cache_arg
+from infra.engine.kv import SlotCache, cache_arg, kv_bytes_per_token, kv_geometry
 from infra.engine.prefix_cache import PrefixCache, common_prefix_length
 from infra.engine.request import (EngineStopped, GenOutput, GenRequest, QueueFull, RequestError, RequestFailed,
                                   SamplingParams)
@@ -114,7 +114,7 @@ class Batcher:
         self._running: list[GenRequest] = []  # row i of the slot cache is _running[i]
         self._slots: SlotCache | None = None
         self._next: torch.Tensor | None = None  # [n] token each row feeds at the next step
-        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2 ** 20), _kv_bytes_per_token(model))
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2 ** 20), kv_bytes_per_token(model))
         # Plain decode steps as CUDA graphs per batch bucket ('cuda'), or their static step run eagerly ('eager').
         self.graphs = (DecodeGraphs(model, self.pad_id, max_batch_size, decode_graphs, self.metrics)
                        if decode_graphs != "off" else None)
@@ -265,7 +265,7 @@ class Batcher:
         self._slots = None  # shapes or dtype may differ
         if self.graphs is not None:
             self.graphs.reset(model)
-        self.prefix_cache = PrefixCache(self.prefix_cache.budget_bytes, _kv_bytes_per_token(model))
+        self.prefix_cache = PrefixCache(self.prefix_cache.budget_bytes, kv_bytes_per_token(model))
         self.metrics.prefix_cache_bytes.set(0)
         fut.set_result(version)
         log.info("engine now serves weight version %d", version)
@@ -292,11 +292,8 @@ class Batcher:
 
     def _slot_cache(self) -> SlotCache:
         if self._slots is None:
-            cfg = self.model.config
-            heads = cfg.num_attention_heads
-            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-            self._slots = SlotCache(cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, dim,
-                                    self.max_batch_size, _model_dtype(self.model), self.device)
+            layers, kv_heads, dim, dtype = kv_geometry(self.model)
+            self._slots = SlotCache(layers, kv_heads, dim, self.max_batch_size, dtype, self.device)
         return self._slots
 
     def _forward(self, ids: torch.Tensor, mask4d: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -570,21 +567,6 @@ def _finish_if_cancelled(req: GenRequest) -> bool:
 def _shared(a: list[int], b: list[int], limit: int) -> int:
     """Length of the common prefix of a and b, at most `limit`."""
     return common_prefix_length(a[:limit], b[:limit])
-
-
-def _model_dtype(model) -> torch.dtype:
-    try:
-        return next(model.parameters()).dtype
-    except (AttributeError, StopIteration):
-        return torch.float32
-
-
-def _kv_bytes_per_token(model) -> int:
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return cfg.num_hidden_layers * 2 * kv_heads * dim * torch.empty((), dtype=_model_dtype(model)).element_size()
 
 
 def model_device(model) -> torch.device:

@@ -46,6 +46,24 @@ def returned_cache(out: Any) -> Any:
     return getattr(out, CACHE_ARG)
 
 
+def kv_geometry(model: Any) -> tuple[int, int, int, torch.dtype]:
+    """(layers, kv_heads, head_dim, dtype) of a causal LM's KV cache, from its config and parameters."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    try:
+        dtype = next(model.parameters()).dtype
+    except (AttributeError, StopIteration):
+        dtype = torch.float32
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, dim, dtype
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token's keys and values take over all of `model`'s layers."""
+    layers, kv_heads, dim, dtype = kv_geometry(model)
+    return layers * 2 * kv_heads * dim * torch.empty((), dtype=dtype).element_size()
+
+
 class SlotCache:
     """KV for up to `rows` sequences; see the module docstring for the layout."""
 
