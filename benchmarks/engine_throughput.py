@@ -138,15 +138,13 @@ def measure_bound(threads: int) -> tuple[float, float]:
 
 def decode_bound(model, bw: float, flops: float, concurrency: int, context: float) -> float:
     """Roofline tokens/s of decoding `concurrency` sequences of mean `context` tokens (the KV in the model's dtype)."""
-    from infra.engine.kv import kv_bytes_per_token
+    from infra.engine.kv import kv_bytes_per_token, kv_geometry
 
-    cfg = model.config
+    layers, _, dim, _ = kv_geometry(model)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
-    heads = cfg.num_attention_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     step_bytes = params + concurrency * context * kv_bytes_per_token(model)
-    step_flops = concurrency * (2 * n_params + 4 * context * cfg.num_hidden_layers * heads * dim)
+    step_flops = concurrency * (2 * n_params + 4 * context * layers * model.config.num_attention_heads * dim)
     return concurrency / max(step_bytes / bw, step_flops / flops)
 
 
