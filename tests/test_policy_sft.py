@@ -28,8 +28,9 @@ def slow_best_and_stop(curve, patience):
     """The rule spelled out: sort by (success desc, loss asc, step asc); stop when the first evaluation to reach
     the highest success is `patience` back."""
     order = sorted(range(len(curve)), key=lambda i: (-curve[i].val_success, curve[i].val_loss, curve[i].step))
-    first_top = min(i for i in range(len(curve)) if curve[i].val_success == curve[order[0]].val_success)
-    return order[0], len(curve) - 1 - first_top >= patience
+    top = curve[order[0]].val_success
+    first_top = min(i for i in range(len(curve)) if curve[i].val_success == top)
+    return order[0], top > 0 and len(curve) - 1 - first_top >= patience
 
 
 def test_best_point_is_the_argmax_with_ties_to_lower_loss_then_fewer_steps():
@@ -64,6 +65,48 @@ def test_training_stops_exactly_patience_evaluations_after_the_best():
         if should_stop(curve, 3):
             break
     assert len(curve) == 5 and curve[best_index(curve)].step == 32
+    # nothing won yet (alfworld_cpu's first curve): patience does not run out, the lowest loss is kept
+    curve = [pt(8 * i, 0.0, 2.7 - 0.3 * i) for i in range(6)]
+    assert not should_stop(curve, 3) and best_index(curve) == 5
+    curve.append(pt(48, 1 / 6, 1.2))
+    assert not should_stop(curve, 3) and best_index(curve) == 6
+    curve += [pt(56 + 8 * i, 0.0, 1.0) for i in range(3)]
+    assert should_stop(curve, 3) and best_index(curve) == 6
+
+
+def test_a_cached_warm_start_that_stopped_before_a_win_is_trained_again(tmp_path, monkeypatch):
+    """`dreamgym train`'s warm start (infra/run/artifacts.policy_start): a cached 'best' warm start whose curve
+    never won a validation game and ended before warm_start_max_steps was stopped by the old patience rule;
+    it is moved aside, not reused nor deleted, and trained again. One that won a game is reused."""
+    from infra.run import artifacts
+    from learner import policy_sft
+    from learner.sft_validation import write_curve
+
+    cfg = load_config(None, [f"infra.data_dir={tmp_path}", "learner.warm_start=best", "learner.warm_start_steps=8",
+                             "learner.warm_start_max_steps=96"])
+    cache = cache_dir(cfg)
+
+    def cached(successes):
+        cache.mkdir(parents=True)
+        (cache / "config.json").write_text("{}")
+        write_curve(cache, [pt(8 * i, s, 2.0 - 0.1 * i) for i, s in enumerate(successes)], 0)
+
+    built = []
+
+    def fake_warm_start(cfg, offline, out, **kw):  # what the real one leaves in its cache directory
+        built.append(out)
+        cached([0.0, 0.5])
+        (out / "warm_start.json").write_text(json.dumps({"mode": "fixed", "steps": 8, "examples": 1,
+                                                         "first_loss": 2.0, "last_loss": 1.0}))
+
+    monkeypatch.setattr(policy_sft, "warm_start", fake_warm_start)
+    cached([0.0, 0.0, 0.0, 0.0])  # patience 3 at zero success: stopped at step 24 of 96
+    assert artifacts.stopped_before_a_win(cache, 96) and not artifacts.stopped_before_a_win(cache, 24)
+    assert artifacts.policy_start(cfg, []) == str(cache) and built == [cache]
+    aside = list(tmp_path.glob(f"policy-warm/{cache.name}.stopped-before-a-win-*"))
+    assert len(aside) == 1 and [p["val_success"] for p in json.loads((aside[0] / "warm_start_curve.json").read_text())["points"]] == [0.0] * 4
+    assert not artifacts.stopped_before_a_win(cache, 96)  # the new one won a game: reused from now on
+    assert artifacts.policy_start(cfg, []) == str(cache) and built == [cache]
 
 
 def traj(task_id, policy="expert", success=True):

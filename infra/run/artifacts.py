@@ -28,7 +28,7 @@ from actors.envs.registry import canonical_family, load_or_make_splits
 from infra.config import Config
 from learner import mexp_sft, policy_sft
 from learner.learner import release_freed_memory
-from learner.sft_validation import CURVE_FILE, PLOT_FILE
+from learner.sft_validation import CURVE_FILE, PLOT_FILE, read_curve
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +130,28 @@ def policy_start(cfg: Config, offline: list, console: Any = None, run_dir: Path 
         policy_sft.warm_start(cfg, offline, cache, on_step=report, on_eval=validated)
         return policy_sft.describe(json.loads((cache / "warm_start.json").read_text()))
 
-    model = cached_model(policy_sft.cache_dir(cfg), "warm-started policy", warm_start, console)
+    cache = policy_sft.cache_dir(cfg)
+    if best and stopped_before_a_win(cache, cfg.learner.warm_start_max_steps):
+        aside = cache.with_name(f"{cache.name}.stopped-before-a-win-{int(time.time())}")
+        say(console, f"the cached warm start {cache} stopped before winning a validation game, which no longer "
+                     f"ends a 'best' warm start; training it again (the old one moved to {aside.name})")
+        cache.rename(aside)
+    model = cached_model(cache, "warm-started policy", warm_start, console)
     if run_dir is not None:
         for name in (CURVE_FILE, PLOT_FILE):
             if (Path(model) / name).exists():
                 Path(run_dir).mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(Path(model) / name, Path(run_dir) / name)
     return model
+
+
+def stopped_before_a_win(cache: Path, max_steps: int) -> bool:
+    """Whether a cached 'best' warm start's curve ended before `max_steps` with no validation game ever won:
+    written before patience stopped running out at zero success (learner/sft_validation.should_stop), so its
+    cache key matches a warm start that would now train on."""
+    curve = read_curve(cache)
+    points = (curve or {}).get("points") or []
+    return bool(points) and max(p["val_success"] for p in points) <= 0 and points[-1]["step"] < max_steps
 
 
 def warm_start_record(cfg: Config, policy_model: str) -> dict | None:
