@@ -36,7 +36,7 @@ from actors.dataset import offline_settings, splits_path, trajectories_path, wri
 from actors.envs.env_process import Isolation
 from actors.envs.expert import make_chooser
 from actors.envs.miniwob_env import browsers_that_fit
-from actors.envs.registry import load_or_make_splits, make_env
+from actors.envs.registry import add_family_argument, family_of, load_or_make_splits, make_env
 from actors.episode import run_episode
 from infra.config import ConfigError, add_config_arguments, config_from_args
 from infra.schema import Status, Task, Trajectory, decode_as, encode, from_fields
@@ -160,7 +160,7 @@ def summary_rows(trajs: list[Trajectory]) -> list[dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--family", default="textworld", help="real environment family: textworld, miniwob, alfworld, browsergym, or your own (package.module:Class, gym:<gymnasium id>, a dreamgym.envs entry point; actors/envs/registry.py)")
+    add_family_argument(p)
     p.add_argument("--out", default="", help="data directory to write into (default: infra.data_dir)")
     p.add_argument("--limit", type=int, default=0, help="collect on the first N train tasks only (0 = all)")
     p.add_argument("--rebuild-splits", action="store_true", help="regenerate the task splits even if splits.json exists")
@@ -168,6 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    args.family = family_of(args, cfg)
     if cfg.data.teacher_endpoint:
         _openai_client_class()  # fail now, not after the collection
     data_dir = Path(args.out or cfg.infra.data_dir)

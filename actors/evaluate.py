@@ -38,7 +38,7 @@ from rich.table import Table
 from actors.confidence import compare, per_task_success, wilson_interval
 from actors.envs.env_process import Isolation
 from actors.envs.expert import PerTaskChooser
-from actors.envs.registry import load_or_make_splits, make_env, tasks_from_spec
+from actors.envs.registry import add_family_argument, family_of, load_or_make_splits, make_env, tasks_from_spec
 from actors.episode import Chooser, run_episode
 from actors.policy import MAX_CHOICES, Policy
 from infra.config import UsageError, add_config_arguments, config_from_args
@@ -140,7 +140,7 @@ def choice_policy_chooser(policy: Any) -> Chooser:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--family", default="textworld", help="real environment family: textworld, miniwob, alfworld, browsergym, or your own (package.module:Class, gym:<gymnasium id>, a dreamgym.envs entry point; actors/envs/registry.py)")
+    add_family_argument(p)
     p.add_argument("--policy", default="expert", choices=["expert", "random", "noisy", "endpoint", "checkpoint"],
                    help="scripted baseline, an SGLang-compatible policy endpoint, or a local checkpoint served in-process")
     p.add_argument("--endpoint", default="", help="policy engine URL for --policy endpoint")
@@ -222,6 +222,7 @@ def print_report(report: EvalReport) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    args.family = family_of(args, cfg)
     earlier = _earlier_report(args.compare_to) if args.compare_to else None
     if args.tasks:
         tasks = tasks_from_spec(args.family, args.tasks, cfg.data, seed=cfg.infra.seed)

@@ -223,8 +223,11 @@ def test_collect_and_eval_commands_on_alfworld(alf, tmp_path):
     reports = {}
     for policy in ("expert", "random"):
         out = tmp_path / f"{policy}.json"
-        assert main(["eval", *overrides, "--family", "alfworld", "--policy", policy, "--limit", "4", "--out", str(out)]) == 0
+        # --family, or the config's actors.env_family when it is left out (as an ALFWorld preset's eval is)
+        family = ["--family", "alfworld"] if policy == "expert" else ["actors.env_family=alfworld"]
+        assert main(["eval", *overrides, *family, "--policy", policy, "--limit", "4", "--out", str(out)]) == 0
         reports[policy] = json.loads(out.read_text())
+        assert reports[policy]["family"] == "alfworld"
     assert reports["expert"]["episodes"] == 4 and reports["expert"]["success_rate"] == 1.0
     assert {r["task_id"] for r in reports["expert"]["per_task"]} <= {t.task_id for t in splits.heldout}
     assert reports["random"]["success_rate"] < 1.0 and reports["random"]["mean_steps"] > reports["expert"]["mean_steps"]

@@ -63,6 +63,18 @@ log = logging.getLogger(__name__)
 PLUGIN_METHODS = ("reset", "step", "close", "tasks")
 
 
+def add_family_argument(p: Any) -> None:
+    """`--family` of the commands that play real environments (collect, eval); `family_of` resolves it."""
+    p.add_argument("--family", default="", help="real environment family (default: the config's actors.env_family): "
+                   "textworld, miniwob, alfworld, browsergym, or your own (package.module:Class, gym:<gymnasium id>, "
+                   "a dreamgym.envs entry point; actors/envs/registry.py)")
+
+
+def family_of(args: Any, cfg: Any) -> str:
+    """The family a command plays: `--family`, else the config's (an ALFWorld preset plays ALFWorld)."""
+    return args.family or cfg.actors.env_family
+
+
 def _import_path(spec: str) -> Any:
     module, _, attr = spec.partition(":")
     try:
