@@ -29,8 +29,11 @@ class PolicyLossOut:
     approx_kl_behaviour: torch.Tensor  # mean (old - new) log-prob over masked tokens
 
 
-def masked_aggregate(x: torch.Tensor, mask: torch.Tensor, aggregate: str = "sequence") -> torch.Tensor:
-    """Mean of x over masked entries, per `aggregate` ("sequence" or "token")."""
+def masked_aggregate(x: torch.Tensor, mask: torch.Tensor, aggregate: str = "sequence",
+                     row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of x over masked entries, per `aggregate` ("sequence" or "token"). "sequence" with
+    `row_weights` [rows]: each row's mean times its weight, then the mean over rows (a piece of a
+    trajectory split across micro-batches weighs its share of the trajectory's tokens)."""
     mask = mask.to(x.dtype)
     if aggregate == "token":
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
@@ -40,6 +43,8 @@ def masked_aggregate(x: torch.Tensor, mask: torch.Tensor, aggregate: str = "sequ
         if not bool(has.any()):
             return (x * mask).sum()  # zero, still attached to the graph
         row_mean = (x * mask).sum(-1) / per_row.clamp(min=1.0)
+        if row_weights is not None:
+            row_mean = row_mean * row_weights.to(x.dtype)
         return row_mean[has].mean()
     raise ValueError(f"aggregate must be 'sequence' or 'token', got {aggregate!r}")
 
@@ -52,8 +57,10 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_eps: float = 0.2, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                is_weights: torch.Tensor | None = None, aggregate: str = "sequence") -> PolicyLossOut:
-    """-E[min(r A, clip(r, 1-eps, 1+eps) A)] (+ kl_coef * KL), r = exp(logp - old_logp)."""
+                is_weights: torch.Tensor | None = None, aggregate: str = "sequence",
+                row_weights: torch.Tensor | None = None) -> PolicyLossOut:
+    """-E[min(r A, clip(r, 1-eps, 1+eps) A)] (+ kl_coef * KL), r = exp(logp - old_logp); `row_weights`
+    as in `masked_aggregate`, on both terms."""
     old_logp, advantages = old_logp.detach(), advantages.detach()
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
@@ -61,14 +68,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     surrogate = torch.minimum(unclipped, clipped)
     if is_weights is not None:
         surrogate = surrogate * is_weights.detach()
-    pl = -masked_aggregate(surrogate, mask, aggregate)
+    pl = -masked_aggregate(surrogate, mask, aggregate, row_weights)
     m = mask.to(logp.dtype)
     with torch.no_grad():
         was_clipped = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).to(logp.dtype)
         clip_frac = (was_clipped * m).sum() / m.sum().clamp(min=1.0)
         approx = ((old_logp - logp) * m).sum() / m.sum().clamp(min=1.0)
     if ref_logp is not None:
-        kl = masked_aggregate(k3_kl(logp, ref_logp.detach()), mask, aggregate)
+        kl = masked_aggregate(k3_kl(logp, ref_logp.detach()), mask, aggregate, row_weights)
     else:
         kl = torch.zeros((), dtype=logp.dtype, device=logp.device)
     loss = pl + kl_coef * kl if ref_logp is not None and kl_coef > 0 else pl

@@ -14,7 +14,9 @@ filtered, and nothing about streams, acks, versions or checkpoints:
    (whole units, `minibatch_bounds`; the fixed inputs of step 1 are not recomputed
    between them, so later mini-batches see ratios away from 1 and the clip works as
    in PPO): forward/backward over micro-batches of at most `micro_batch` steps (whole
-   trajectories, never split), each loss scaled by its share of the mini-batch so the
+   trajectories) and, with `micro_batch_tokens`, at most that many tokens (a label/score-mode
+   trajectory cut between steps where it does not fit: memory bounded whatever the environment's
+   prompts and candidates, `micro_batches`), each loss scaled by its share of the mini-batch so the
    accumulated gradient equals the unchunked one (tests/test_update.py checks it to
    1e-6), then clipping and one optimizer step;
    a non-finite loss or gradient raises before the step, non-finite weights after
@@ -93,6 +95,7 @@ class UpdateStats:
     action_tokens: int = 0  # tokens trained in the batch (one per step in label/score mode; the reply tokens in generate)
     resident_mb: float = 0.0  # the learner process's resident memory after the update, freed pages returned
     invalid_share: float | None = None  # generate mode: share of the trained steps whose reply named no legal action
+    passes: int = 0  # forward/backward passes (all epochs and mini-batches): micro-batches, more under a token budget
 
 
 @dataclass
@@ -103,6 +106,8 @@ class Row:
     advantage: float | None
     corrected: bool
     traj: Trajectory
+    share: float = 1.0  # its part of the trajectory's trained tokens (< 1: a piece, `micro_batches`)
+    first: int = 0  # a piece's first step among the trajectory's trainable steps
 
 
 @dataclass
@@ -189,6 +194,89 @@ def chunks_of(rows: Sequence[Row], micro_batch: int) -> list[list[int]]:
     if cur:
         chunks.append(cur)
     return chunks
+
+
+def step_costs(policy: Any, rows: Sequence[Row]) -> list[list[int]]:
+    """Tokens each step's forward runs through the policy, which a micro-batch's activations grow with:
+    its prompt's and its candidates' (score mode) or 1 label (label mode); a generate-mode trajectory's
+    chats all on its first step (one packed sequence, never cut)."""
+    out = []
+    for r in rows:
+        if is_generate(r):
+            out.append([sum(len(q.ids) for q in sequences_of([r]))] + [0] * (len(r.steps) - 1))
+            continue
+        out.append([len(policy.tokenizer(s.policy_prompt, add_special_tokens=False)["input_ids"])
+                    + (len(s.choice_token_ids) if s.choice_lengths else 1) for s in r.steps])
+    return out
+
+
+def micro_batches(rows: Sequence[Row], micro_batch: int, budget: int = 0,
+                  costs: Sequence[Sequence[int]] | None = None) -> tuple[list[Row], list[list[int]], list[int]]:
+    """An update's forward/backward passes: (pieces, the pieces' indices per pass, each piece's row).
+
+    Without a token `budget` the pieces are the rows, whole, at most `micro_batch` steps a pass
+    (`chunks_of`). With one (`learner.micro_batch_tokens`), a pass also runs at most `budget` tokens
+    (`costs`: `step_costs`), and a label/score-mode trajectory that does not fit is cut between steps:
+    each piece is a Row of some of its steps that weighs its `share` of the trajectory in a
+    'sequence' loss (learner/losses.py), so the accumulated gradient is the uncut one. A
+    generate-mode trajectory (one packed sequence) goes whole, alone if it is over the budget; so
+    does a single step over it."""
+    if not budget:
+        return list(rows), chunks_of(rows, micro_batch), list(range(len(rows)))
+    assert costs is not None, "a token budget needs the steps' costs"
+    pieces: list[Row] = []
+    origin: list[int] = []
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    n = tok = 0  # steps and tokens in the pass being filled
+
+    def close() -> None:
+        nonlocal cur, n, tok
+        if cur:
+            chunks.append(cur)
+        cur, n, tok = [], 0, 0
+
+    def add(i: int, a: int, b: int, t: int) -> None:
+        nonlocal n, tok
+        r = rows[i]
+        whole = a == 0 and b == len(r.steps)
+        pieces.append(r if whole else Row(r.steps[a:b], r.advantage, r.corrected, r.traj, (b - a) / len(r.steps), a))
+        origin.append(i)
+        cur.append(len(pieces) - 1)
+        n, tok = n + b - a, tok + t
+
+    for i, r in enumerate(rows):
+        c = costs[i]
+        if is_generate(r) or not r.steps:
+            if cur and (n + len(r.steps) > micro_batch or tok + sum(c) > budget):
+                close()
+            add(i, 0, len(r.steps), sum(c))
+            continue
+        a = 0
+        while a < len(r.steps):
+            b, t = a, 0
+            while b < len(r.steps) and n + b - a < micro_batch and tok + t + c[b] <= budget:
+                t, b = t + c[b], b + 1
+            if b == a and cur:  # nothing more fits this pass
+                close()
+                continue
+            if b == a:  # one step over the budget runs alone
+                b, t = a + 1, c[a]
+            add(i, a, b, t)
+            a = b
+    close()
+    return pieces, chunks, origin
+
+
+def piece_inputs(fixed: FixedInputs, pieces: Sequence[Row], origin: Sequence[int]) -> FixedInputs:
+    """The rows' fixed inputs cut as `micro_batches` cut the rows (a piece: its steps' tokens, one a step)."""
+    out = FixedInputs([], [], [])
+    for p, i in zip(pieces, origin):
+        a, b = p.first, p.first + row_tokens(p)
+        out.old.append(fixed.old[i][a:b])
+        out.isw.append(fixed.isw[i][a:b])
+        out.adv.append(fixed.adv[i][a:b])
+    return out
 
 
 def minibatch_bounds(units: Sequence[Unit], n: int) -> list[tuple[int, int]]:
@@ -290,8 +378,9 @@ def proximal(policy: Any, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
 
 
 def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
-                 share: Share | None = None) -> FixedInputs:
-    """Old log-probs, importance weights and advantages, computed once before the epochs.
+                 share: Share | None = None, pieces: Sequence[Row] | None = None) -> FixedInputs:
+    """Old log-probs, importance weights and advantages of every row, computed once before the epochs;
+    `chunks` index `pieces` (`micro_batches`: the rows in order, some cut; default the rows themselves).
 
     With `learner.logprob_temperature` T != 1 (generate mode) the update trains the tempered policy:
     every row's old log-probs are the current policy's at T (the engine's are at 1, so they cannot
@@ -302,8 +391,9 @@ def fixed_inputs(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: S
     lp = vals = lp1 = None
     corrected = any(r.corrected for r in rows)
     if corrected or cfg.algo == "ppo" or temp != 1.0:
-        lp, vals = proximal(policy, rows, chunks, share, temp)
-        lp1 = proximal(policy, rows, chunks, share)[0] if temp != 1.0 and corrected else lp
+        run = pieces if pieces is not None else rows  # in row order, so their tokens and steps are the rows'
+        lp, vals = proximal(policy, run, chunks, share, temp)
+        lp1 = proximal(policy, run, chunks, share)[0] if temp != 1.0 and corrected else lp
     k = j = 0  # the row's first token, its first step
     for r in rows:
         n, m, per_step = row_tokens(r), len(r.steps), step_tokens(r)
@@ -332,8 +422,9 @@ def _first_tokens(row: Row) -> list[int]:
 def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], chunks: Sequence[Sequence[int]],
                          fixed: FixedInputs, share: Share | None = None) -> dict[str, float]:
     """One epoch's backward passes over every micro-batch (this rank's, with a `share`), gradients
-    summed into `.grad`; the loss terms (of the whole batch: summed over ranks)."""
-    total_rows = sum(1 for r in rows if r.steps)
+    summed into `.grad`; the loss terms (of the whole batch: summed over ranks). `rows` may be
+    `micro_batches`' pieces, with `piece_inputs`: a piece counts as its share of a trajectory."""
+    total_rows = sum(r.share for r in rows if r.steps)
     total_tokens = sum(row_tokens(r) for r in rows)
     total_steps = sum(len(r.steps) for r in rows)
     sums = {"loss": 0.0, "pl": 0.0, "kl": 0.0, "vl": 0.0, "clip": 0.0, "tokens": 0}
@@ -350,10 +441,12 @@ def accumulate_gradients(policy: Any, cfg: LearnerConfig, rows: Sequence[Row], c
             return _pad(sizes, torch.tensor(flat, dtype=logp.dtype, device=logp.device))
 
         ref = _pad(sizes, _reference(policy, part, cfg.logprob_temperature)) if cfg.kl_coef > 0 else None
+        cut = any(r.share != 1.0 for r in part)
         out = policy_loss(logp, table(fixed.old), table(fixed.adv, 0), mask, cfg.clip_eps, ref, cfg.kl_coef,
-                          table(fixed.isw), cfg.aggregate)
+                          table(fixed.isw), cfg.aggregate,
+                          torch.tensor([r.share for r in part], dtype=logp.dtype, device=logp.device) if cut else None)
         w = len(logp_flat) / total_tokens
-        scale = (len(part) / total_rows) if cfg.aggregate == "sequence" else w
+        scale = (sum(1 for r in part if r.steps) / total_rows) if cfg.aggregate == "sequence" else w
         loss = out.loss * scale
         vl = torch.zeros((), device=logp.device)
         w_steps = len(v_flat) / total_steps if v_flat is not None else 0.0
@@ -423,6 +516,8 @@ def plan(units: Sequence[Unit], cfg: LearnerConfig,
     for part in parts:
         for idx in chunks_of(part, cfg.micro_batch):
             choice_args([s for i in idx for s in part[i].steps])
+    if cfg.micro_batch_tokens:  # a token budget's passes meet other steps than chunks_of's: all must fit together
+        choice_args([s for r in rows for s in r.steps])
     if vocab is not None:
         top = max((int(t) for r in rows for s in r.steps for t in (*s.choice_token_ids, *s.action_token_ids)),
                   default=0)
@@ -437,18 +532,22 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConf
     `share`: this FSDP rank's part (learner/fsdp.py; every rank calls this with the same units)."""
     rows, bounds = plan(units, cfg)
     policy.train()
-    fixed = fixed_inputs(policy, cfg, rows, chunks_of(rows, cfg.micro_batch), share)
+    budget = cfg.micro_batch_tokens
+    costs = step_costs(policy, rows) if budget else None
+    pieces, chunks, _ = micro_batches(rows, cfg.micro_batch, budget, costs)
+    fixed = fixed_inputs(policy, cfg, rows, chunks, share, pieces)
     sums = dict.fromkeys(("loss", "pl", "kl", "vl", "clip"), 0.0)
     params = policy.trainable_parameters()
-    tokens = 0
+    tokens = passes = 0
     steps = cfg.epochs_per_batch * len(bounds)
     for _ in range(cfg.epochs_per_batch):
         for a, b in bounds:
-            part = rows[a:b]
+            pieces, chunks, origin = micro_batches(rows[a:b], cfg.micro_batch, budget, costs[a:b] if costs else None)
             optimizer.zero_grad(set_to_none=True)
-            out = accumulate_gradients(policy, cfg, part, chunks_of(part, cfg.micro_batch),
-                                       FixedInputs(fixed.old[a:b], fixed.isw[a:b], fixed.adv[a:b]), share)
+            out = accumulate_gradients(policy, cfg, pieces, chunks, piece_inputs(
+                FixedInputs(fixed.old[a:b], fixed.isw[a:b], fixed.adv[a:b]), pieces, origin), share)
             tokens += int(out.pop("tokens", 0))
+            passes += len(chunks)
             check_loss(out["loss"])  # before the step: a NaN never reaches the weights (learner/guard.py)
             check_gradient(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
             for k, v in out.items():
@@ -470,7 +569,8 @@ def apply_update(policy: Any, optimizer: torch.optim.Optimizer, cfg: LearnerConf
                        success_rate=sum(1 for t in trajs if t.success) / len(trajs), trajectories=len(trajs),
                        steps=sum(len(r.steps) for r in rows), groups=len(units),
                        mean_staleness=sum(lags) / len(lags), seconds=0.0, tokens=tokens,
-                       action_tokens=sum(row_tokens(r) for r in rows), invalid_share=invalid_share(rows))
+                       action_tokens=sum(row_tokens(r) for r in rows), invalid_share=invalid_share(rows),
+                       passes=passes)
 
 
 def invalid_share(rows: Sequence[Row]) -> float | None:

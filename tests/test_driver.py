@@ -112,11 +112,14 @@ async def test_train_in_score_mode_warm_starts_trains_and_evaluates(tiny_run, tm
     from infra.run.driver import train
     from learner import policy_sft
 
+    # learner.micro_batch_tokens below one step's tokens: every trajectory is cut into passes of a step
     cfg = load_config(None, [*tiny_run, "actors.action_mode=score", "actors.multi_turn=false",
                              "learner.warm_start_steps=2", "learner.warm_start_batch=2", "learner.total_updates=1",
-                             "learner.checkpoint_every=1", "evaluation.max_steps=2"])
+                             "learner.checkpoint_every=1", "evaluation.max_steps=2", "learner.micro_batch_tokens=16"])
     summary = await train(cfg, "scored")
     assert summary["updates"] == 1 and summary["trajectories_trained"] >= 2
+    h = summary["history"][0]
+    assert h["passes"] == cfg.learner.epochs_per_batch * h["steps"] > h["trajectories"]  # a pass a step
     assert summary["heldout_after"]["episodes"] == 1
     assert summary["history"][0]["version"] == 1 and summary["history"][0]["loss"] == summary["history"][0]["loss"]
     assert summary["history"][0]["invalid_share"] is None  # only generate-mode replies can name no legal action

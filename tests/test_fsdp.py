@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_update import CANDS, gradients, tiny, units  # noqa: F401  (tiny is a fixture)
+from test_update import gradients, scored, tiny, units  # noqa: F401  (tiny is a fixture)
 
 from infra.config import ConfigError, LearnerConfig, load_config
 from infra.engine.models import load_tokenizer
@@ -49,19 +49,6 @@ CASES = [("grpo", "sequence", 0.0, False), ("grpo", "token", 0.1, False), ("ppo"
 
 def _cfg(algo: str, aggregate: str = "sequence", kl: float = 0.0, **kw) -> LearnerConfig:
     return LearnerConfig(algo=algo, aggregate=aggregate, kl_coef=kl, staleness_mode="importance", micro_batch=3, **kw)
-
-
-def scored(tok, batch: list[Unit]) -> list[Unit]:
-    """`batch` in score mode: each step's candidates as token lists, so one forward_choice calls the
-    model once per distinct prompt, a different number of times per micro-batch (learner/fsdp.py)."""
-    cands = [tok(" " + c, add_special_tokens=False)["input_ids"] for c in CANDS]
-
-    def step(s):
-        return dataclasses.replace(s, choice_token_ids=[t for c in cands for t in c],
-                                   choice_lengths=[len(c) for c in cands],
-                                   action_token_ids=cands[CANDS.index(s.action)])
-    return [Unit([dataclasses.replace(t, steps=[step(s) for s in t.steps]) for t in u.trajs], u.advantages, u.corrected)
-            for u in batch]
 
 
 def _batch(tok, algo: str, score: bool) -> list[Unit]:

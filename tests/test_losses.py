@@ -10,8 +10,8 @@ import torch
 from learner.losses import k3_kl, masked_aggregate, policy_loss, value_loss
 
 
-def ref_policy_loss(logp, old, adv, mask, eps, ref=None, beta=0.0, isw=None, aggregate="sequence"):
-    """-(1/G) sum_i 1/|o_i| sum_t [min(r A, clip(r) A) - beta KL_k3], loops only."""
+def ref_policy_loss(logp, old, adv, mask, eps, ref=None, beta=0.0, isw=None, aggregate="sequence", rw=None):
+    """-(1/G) sum_i w_i/|o_i| sum_t [min(r A, clip(r) A) - beta KL_k3], loops only (w_i = 1 without `rw`)."""
     per_row, tokens = [], []
     for i in range(len(logp)):
         terms = []
@@ -28,7 +28,7 @@ def ref_policy_loss(logp, old, adv, mask, eps, ref=None, beta=0.0, isw=None, agg
             terms.append(s)
         tokens += terms
         if terms:
-            per_row.append(sum(terms) / len(terms))
+            per_row.append((rw[i] if rw is not None else 1.0) * sum(terms) / len(terms))
     if aggregate == "token":
         return -sum(tokens) / max(1, len(tokens))
     return -sum(per_row) / len(per_row) if per_row else 0.0
@@ -51,10 +51,12 @@ def test_policy_loss_matches_reference(seed, aggregate, with_kl):
     mask[2] = 0  # a row with nothing to train
     ref = logp + 0.2 * rand(shape, seed + 400) if with_kl else None
     isw = rand(shape, seed + 500).abs() if seed % 2 else None
-    out = policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, isw, aggregate)
+    # a piece of a trajectory split across micro-batches weighs its share of it ("sequence" only)
+    rw = rand((4,), seed + 600).abs() if seed % 4 < 2 and aggregate == "sequence" else None
+    out = policy_loss(logp, old, adv, mask, 0.2, ref, 0.1, isw, aggregate, row_weights=rw)
     want = ref_policy_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2,
                            ref.tolist() if ref is not None else None, 0.1,
-                           isw.tolist() if isw is not None else None, aggregate)
+                           isw.tolist() if isw is not None else None, aggregate, rw.tolist() if rw is not None else None)
     assert float(out.loss) == pytest.approx(want, abs=1e-10)
 
 

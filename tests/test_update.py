@@ -11,6 +11,7 @@ the real choice prompts of actors/policy.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from infra.schema import Status, Step, Task, Trajectory
 from learner.advantages import group_advantages
 from learner.policy_model import PolicyModel
 from learner.update import (FixedInputs, Unit, accumulate_gradients, apply_update, chunks_of, fixed_inputs,
-                            minibatch_bounds, proximal, rows_of)
+                            micro_batches, minibatch_bounds, piece_inputs, proximal, rows_of, step_costs)
 
 ROOMS = ["Kitchen", "Hall", "Study"]
 CANDS = ["go north", "take key", "open chest", "look"]
@@ -63,6 +64,19 @@ def units(tok, algo: str) -> list[Unit]:
     return out
 
 
+def scored(tok, batch: list[Unit]) -> list[Unit]:
+    """`batch` in score mode: each step's candidates as token lists, so one forward_choice calls the
+    model once per distinct prompt, a different number of times per micro-batch (learner/fsdp.py)."""
+    cands = [tok(" " + c, add_special_tokens=False)["input_ids"] for c in CANDS]
+
+    def step(s):
+        return dataclasses.replace(s, choice_token_ids=[t for c in cands for t in c],
+                                   choice_lengths=[len(c) for c in cands],
+                                   action_token_ids=cands[CANDS.index(s.action)])
+    return [Unit([dataclasses.replace(t, steps=[step(s) for s in t.steps]) for t in u.trajs], u.advantages, u.corrected)
+            for u in batch]
+
+
 def gradients(model, tok, cfg: LearnerConfig, batch: list[Unit]) -> dict[str, torch.Tensor]:
     policy = PolicyModel(model=copy.deepcopy(model), tokenizer=tok, value_head=cfg.algo == "ppo")
     if policy.value_head is not None:  # a non-zero head, so the value loss has a gradient everywhere
@@ -89,6 +103,70 @@ def test_a_chunked_update_has_the_gradients_of_the_unchunked_one(tiny, algo, agg
     assert max(float(g.abs().max()) for g in whole.values()) > 1e-4  # a real gradient, not zeros
     for name, g in whole.items():
         torch.testing.assert_close(chunked[name], g, rtol=0, atol=1e-6, msg=name)
+
+
+def cut_gradients(model, tok, cfg: LearnerConfig, batch: list[Unit]) -> dict[str, torch.Tensor]:
+    """`gradients` with the passes of a token budget: trajectories cut between steps."""
+    policy = PolicyModel(model=copy.deepcopy(model), tokenizer=tok, value_head=cfg.algo == "ppo")
+    if policy.value_head is not None:
+        torch.manual_seed(1)
+        torch.nn.init.normal_(policy.value_head.weight, std=0.1)
+    policy.train()
+    rows = rows_of(batch)
+    pieces, chunks, origin = micro_batches(rows, cfg.micro_batch, cfg.micro_batch_tokens, step_costs(policy, rows))
+    fixed = fixed_inputs(policy, cfg, rows, chunks, pieces=pieces)
+    accumulate_gradients(policy, cfg, pieces, chunks, piece_inputs(fixed, pieces, origin))
+    return {n: p.grad.detach().clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("algo,aggregate,kl,score", [("grpo", "sequence", 0.1, False), ("grpo", "token", 0.0, False),
+                                                     ("ppo", "sequence", 0.0, False), ("grpo", "sequence", 0.1, True)])
+def test_a_token_budget_cuts_trajectories_between_steps_with_the_same_gradients(tiny, algo, aggregate, kl, score):
+    """learner.micro_batch_tokens bounds a pass's tokens; a trajectory over it is cut into pieces, each
+    weighing its share of the trajectory in the 'sequence' loss: the gradient is the uncut one."""
+    model, tok = tiny
+    batch = scored(tok, units(tok, algo)) if score else units(tok, algo)
+    rows = rows_of(batch)
+    policy = PolicyModel(model=copy.deepcopy(model), tokenizer=tok)
+    costs = step_costs(policy, rows)
+    prompt = len(tok(rows[0].steps[0].policy_prompt, add_special_tokens=False)["input_ids"])
+    # label mode: the prompt and its label; score mode: the prompt and every candidate's tokens
+    assert costs[0][0] == prompt + (len(rows[0].steps[0].choice_token_ids) if score else 1)
+    budget = max(c for r in costs for c in r) + 1  # about one step a pass: 3-step trajectories are cut
+    pieces, chunks, origin = micro_batches(rows, 64, budget, costs)
+    assert any(p.share < 1 for p in pieces) and len(pieces) > len(rows)
+    for idx in chunks:  # the budget holds, but for a lone step over it
+        assert sum(sum(costs[origin[i]][pieces[i].first:pieces[i].first + len(pieces[i].steps)]) for i in idx) <= budget
+    for i, r in enumerate(rows):  # the pieces of a row are its steps, in order, once
+        mine = [p for p, o in zip(pieces, origin) if o == i]
+        assert [s for p in mine for s in p.steps] == r.steps and sum(p.share for p in mine) == pytest.approx(1.0)
+    base = dict(algo=algo, aggregate=aggregate, kl_coef=kl, staleness_mode="importance")
+    whole = gradients(model, tok, LearnerConfig(micro_batch=64, **base), batch)
+    cut = cut_gradients(model, tok, LearnerConfig(micro_batch=64, micro_batch_tokens=budget, **base), batch)
+    assert whole.keys() == cut.keys() and max(float(g.abs().max()) for g in whole.values()) > 1e-4
+    for name, g in whole.items():
+        torch.testing.assert_close(cut[name], g, rtol=0, atol=1e-6, msg=name)
+
+
+def test_an_update_under_a_token_budget_moves_the_weights_as_without(tiny):
+    """apply_update (what the learner calls) with learner.micro_batch_tokens: the same weights after two
+    mini-batch steps as with whole trajectories. SGD, not AdamW: Adam's normalised step turns the float
+    noise of a near-zero gradient entry into a full step either way."""
+    model, tok = tiny
+    batch = units(tok, "grpo")
+    after = []
+    for budget in (0, 60):
+        cfg = LearnerConfig(minibatches=2, lr=1e-2, staleness_mode="importance", micro_batch=64,
+                            micro_batch_tokens=budget, kl_coef=0.05)
+        policy = PolicyModel(model=copy.deepcopy(model), tokenizer=tok)
+        apply_update(policy, torch.optim.SGD(policy.trainable_parameters(), lr=cfg.lr), cfg, batch, version=0)
+        after.append(dict(policy.named_parameters()))
+    start = dict(model.named_parameters())
+    assert max(float((p - start[n.split(".", 1)[1]]).detach().abs().max()) for n, p in after[0].items()) > 1e-5
+    rows = rows_of(batch)
+    assert len(micro_batches(rows, 64, 60, step_costs(PolicyModel(model=model, tokenizer=tok), rows))[0]) > len(rows)
+    for name, p in after[0].items():
+        torch.testing.assert_close(after[1][name], p, rtol=0, atol=1e-7, msg=name)
 
 
 def test_minibatches_split_the_batch_by_whole_units():

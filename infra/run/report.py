@@ -167,7 +167,8 @@ def training_progress(console: Any, cfg: Config, learner: Any, history: RunHisto
                        discarded=s.discarded, tokens=s.tokens, action_tokens=s.action_tokens,
                        update_s=round(s.seconds, 2),
                        resident_mb=round(s.resident_mb), clip_fraction=s.clip_fraction,
-                       invalid_share=s.invalid_share, **(extra() if extra is not None else {}))
+                       invalid_share=s.invalid_share, trajectories=s.trajectories, steps=s.steps, passes=s.passes,
+                       **(extra() if extra is not None else {}))
         invalid = "" if s.invalid_share is None else f" invalid {s.invalid_share:.0%}"  # generate mode
         bar.update(task, completed=s.version, info=f"loss {s.loss:.3f} reward {s.mean_reward:.2f} "
                                                     f"success {s.success_rate:.2f} stale {s.mean_staleness:.1f} "
