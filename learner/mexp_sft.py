@@ -43,7 +43,7 @@ import logging
 import random
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from actors.dataset import offline_settings
+from actors.envs.registry import add_family_argument, family_of
 from infra.config import SimulatorConfig, add_config_arguments, config_from_args, section_settings, settings_key
 from infra.engine.models import load_model
 from learner.precision import Precision
@@ -347,15 +348,18 @@ def run_sft(cfg: SimulatorConfig, data_dir: str | Path, out_dir: str | Path, fam
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--family", default="textworld", help="offline dataset family (default: %(default)s)")
-    p.add_argument("--out", default="", help="checkpoint directory (default: <run_dir>/mexp)")
+    add_family_argument(p)
+    p.add_argument("--out", default="", help="checkpoint directory (default: the cache that `dreamgym train` "
+                   "reuses for this config, <data_dir>/mexp/<family>-<key>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    out = Path(args.out or Path(cfg.infra.run_dir) / "mexp")
-    report = run_sft(cfg.simulator, cfg.infra.data_dir, out, args.family, cfg.infra.seed, not args.no_progress,
+    family = family_of(args, cfg)
+    cfg = replace(cfg, actors=replace(cfg.actors, env_family=family))
+    out = Path(args.out) if args.out else cache_dir(cfg)
+    report = run_sft(cfg.simulator, cfg.infra.data_dir, out, family, cfg.infra.seed, not args.no_progress,
                      base_model(cfg))
     table = Table(title=f"Mexp SFT -> {report['checkpoint']}")
     table.add_column("held-out loss")

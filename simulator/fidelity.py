@@ -49,6 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from actors.envs.base import StateFormatError, validate_state
+from actors.envs.registry import add_family_argument, family_of
 from infra import metrics
 from infra.config import EngineConfig, SimulatorConfig, UsageError, add_config_arguments, config_from_args
 from infra.engine.client import EngineClient
@@ -359,7 +360,7 @@ def summary_table(results: dict, title: str, judged: bool = False) -> Table:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--family", default="textworld", help="offline dataset family (default: %(default)s)")
+    add_family_argument(p)
     p.add_argument("--checkpoints", default="",
                    help="comma-separated Mexp checkpoints to compare; 'base' = the untrained model "
                         "(default: simulator.checkpoint, else base)")
@@ -379,8 +380,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     ckpts = [c.strip() for c in (args.checkpoints or sim.checkpoint or "base").split(",") if c.strip()]
-    trajs = load_offline(cfg.infra.data_dir, args.family)
-    train_trajs, held_trajs = split_trajectories(trajs, sim.heldout_frac, cfg.infra.data_dir, args.family)
+    family = family_of(args, cfg)
+    trajs = load_offline(cfg.infra.data_dir, family)
+    train_trajs, held_trajs = split_trajectories(trajs, sim.heldout_frac, cfg.infra.data_dir, family)
     report: dict[str, Any] = {"heldout_tasks": sorted({t.task_id for t in held_trajs}), "results": {}}
     for ck in ckpts:
         report["results"][ck] = asyncio.run(measure(sim, "" if ck == "base" else ck, train_trajs, held_trajs,

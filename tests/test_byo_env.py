@@ -143,14 +143,21 @@ def test_keydoor_through_the_cli_collect_mexp_sft_and_dreamgym_train(tmp_path, t
     assert len(offline) == 96 and len(expert) == 48 and all(t.success for t in expert)
     assert all(s.reasoning for t in offline for s in t.steps)  # the env's rationale: Mexp's SFT target
 
-    cli("train-mexp", "--family", KEYDOOR, "--no-progress", "--out", str(tmp_path / "mexp"), *common,
-        "simulator.sft_max_examples=32", "simulator.sft_max_heldout=8")
-    assert (tmp_path / "mexp" / "config.json").exists()
+    # the family from the config's actors.env_family, the checkpoint into the cache that `train` then reuses
+    mexp_settings = ["simulator.sft_max_examples=32", "simulator.sft_max_heldout=8"]
+    cli("train-mexp", "--no-progress", *common, *mexp_settings)
+    (cached,) = (data / "mexp").glob(f"{KEYDOOR}-*/config.json")
+    cli("fidelity", *common, "--variants", "full", "--max-steps", "4", "--checkpoints", str(cached.parent),
+        "--out", str(tmp_path / "fidelity.json"))  # replays the config's family's held-out steps
+    fidelity = json.loads((tmp_path / "fidelity.json").read_text())
+    assert fidelity["results"][str(cached.parent)]["full"]["summary"]["steps"] == 4
 
-    cli("train", "--name", "kd", *common, f"infra.redis_url={redis_url}", f"simulator.checkpoint={tmp_path / 'mexp'}",
-        "actors.env_kind=synthetic", "actors.num_workers=1", "actors.group_size=4", "actors.concurrent_episodes=4",
-        "actors.max_steps=3", "learner.groups_per_update=1", "learner.total_updates=1", "curriculum.variants_per_seed=0",
-        "engines.max_batch_size=4", "infra.train_budget_s=300", "evaluation.before=false")
+    out = cli("train", "--name", "kd", *common, *mexp_settings, f"infra.redis_url={redis_url}",
+              "actors.env_kind=synthetic", "actors.num_workers=1", "actors.group_size=4", "actors.concurrent_episodes=4",
+              "actors.max_steps=3", "learner.groups_per_update=1", "learner.total_updates=1",
+              "curriculum.variants_per_seed=0", "engines.max_batch_size=4", "infra.train_budget_s=300",
+              "evaluation.before=false")
+    assert "reusing the Mexp SFT checkpoint" in out and str(cached.parent) in out.replace("\n", "")
     s = json.loads((runs / "kd" / "summary.json").read_text())
     assert s["family"] == KEYDOOR and s["env_kind"] == "synthetic" and s["updates"] == 1
     # the update's history row counts how the phase's synthetic steps were answered so far (kept if a run is stopped)

@@ -64,7 +64,8 @@ PLUGIN_METHODS = ("reset", "step", "close", "tasks")
 
 
 def add_family_argument(p: Any) -> None:
-    """`--family` of the commands that play real environments (collect, eval); `family_of` resolves it."""
+    """`--family` of the commands that read or play a family (collect, eval, train-mexp, fidelity);
+    `family_of` resolves it."""
     p.add_argument("--family", default="", help="real environment family (default: the config's actors.env_family): "
                    "textworld, miniwob, alfworld, browsergym, or your own (package.module:Class, gym:<gymnasium id>, "
                    "a dreamgym.envs entry point; actors/envs/registry.py)")
