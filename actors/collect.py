@@ -184,13 +184,21 @@ def run(args: argparse.Namespace) -> int:
     if args.family in ("miniwob", "browsergym"):  # browsers per worker process; size the pool by memory
         workers = min(workers, browsers_that_fit())
     total = len(tasks) * len(policies) * cfg.data.episodes_per_task
+    tenth, done = max(1, total // 10), 0
+
+    def advance(n: int) -> None:  # the live bar; where none can show (a log file, CI), a line each tenth
+        nonlocal done
+        prog.advance(bar, n)
+        before, done = done, done + n
+        if not console.is_terminal and (done // tenth > before // tenth or done == total):
+            console.print(f"collect: {done}/{total} episodes ({time.perf_counter() - t0:.0f} s)")
+
     with Progress(TextColumn("collect"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as prog:
         bar = prog.add_task("episodes", total=total)
         bad: list[dict] = []
         trajs = collect(args.family, tasks, policies, cfg.data.episodes_per_task, cfg.data.noise_eps,
-                        cfg.data.max_steps, workers, seed=cfg.infra.seed,
-                        progress=lambda n: prog.advance(bar, n), isolation=Isolation.from_config(cfg.actors),
-                        bad_tasks=bad)
+                        cfg.data.max_steps, workers, seed=cfg.infra.seed, progress=advance,
+                        isolation=Isolation.from_config(cfg.actors), bad_tasks=bad)
     if cfg.data.teacher_endpoint:
         n, errors = asyncio.run(_teacher_rationales(trajs, cfg.data.teacher_endpoint, cfg.data.teacher_model,
                                                     timeout_s=cfg.engines.request_timeout_s))

@@ -51,7 +51,7 @@ def test_task_splits_round_trip(tmp_path):
 
 
 @pytest.mark.slow
-def test_collect_and_eval_commands_end_to_end(tmp_path_factory, tmp_path):
+def test_collect_and_eval_commands_end_to_end(tmp_path_factory, tmp_path, capsys):
     from infra.cli import main
 
     data = tmp_path_factory.getbasetemp() / "tw-data"  # shares the games cache with test_envs_textworld
@@ -59,6 +59,7 @@ def test_collect_and_eval_commands_end_to_end(tmp_path_factory, tmp_path):
                  "data.textworld_heldout=2", "data.textworld_families=[custom]",
                  "data.textworld_heldout_families=[tw-cooking-1]", "data.workers=1", "data.max_steps=8"]
     assert main(["collect", *overrides, "--family", "textworld", "--rebuild-splits"]) == 0
+    assert "collect: 18/18 episodes" in capsys.readouterr().out  # a line each tenth where no live bar shows
     splits = TaskSplits.load(splits_path(data, "textworld"))
     trajs = list(read_trajectories(trajectories_path(data, "textworld")))
     assert len(trajs) == 3 * 3 * 2  # tasks x policies x episodes_per_task
