@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import re
 import tempfile
@@ -43,7 +44,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -59,6 +60,8 @@ from simulator.embedder import Embedder
 from simulator.experience_model import ExperienceModel, MexpRejected
 from simulator.mexp_data import MexpExample, build_examples, load_offline, split_trajectories
 from simulator.replay_buffer import EdgeBuffer, seed_buffer
+
+log = logging.getLogger(__name__)
 
 VARIANTS = {"full": {}, "no-retrieval": {"retrieval": False}, "no-reasoning": {"reasoning": False},
             "no-reward-check": {"reward_check": False}}
@@ -139,11 +142,13 @@ def summarize(records: list[dict]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- replay
-async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16) -> list[dict]:
-    """Teacher-forced replay of `examples` through `mexp` (an ExperienceModel); one record per step."""
-    sem = asyncio.Semaphore(concurrency)
+async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16,
+                 progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Teacher-forced replay of `examples` through `mexp` (an ExperienceModel); one record per step.
+    `progress(done, total)` is called as each step's reply comes back."""
+    sem, done = asyncio.Semaphore(concurrency), 0
 
-    async def one(ex: MexpExample) -> dict:
+    async def answer(ex: MexpExample) -> dict:
         rec = {"task_id": ex.task.task_id, "action": ex.action, "true_reward": ex.truth.reward,
                "true_done": ex.truth.done, "true_state": ex.truth.next_state}
         async with sem:
@@ -158,7 +163,26 @@ async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16) 
                 "item_tv": item_tv_distance(out.next_state, ex.truth.next_state),
                 "token_f1": token_f1(out.next_state, ex.truth.next_state)}
 
+    async def one(ex: MexpExample) -> dict:
+        nonlocal done
+        rec = await answer(ex)
+        done += 1
+        if progress is not None:
+            progress(done, len(examples))
+        return rec
+
     return list(await asyncio.gather(*(one(ex) for ex in examples)))
+
+
+def log_tenths(what: str) -> Callable[[int, int], None]:
+    """A `replay` progress callback that logs a line at each tenth of the steps: a CPU replay of long
+    replies takes minutes (ALFWorld's 206 held-out steps about ten)."""
+    t0 = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        if done * 10 // total > (done - 1) * 10 // total:
+            log.info("%s: %d/%d held-out steps replayed (%.0f s)", what, done, total, time.monotonic() - t0)
+    return report
 
 
 JUDGE_PROMPT = ("You grade a simulated text-environment transition against the real one. Score 1-5 each: "
@@ -285,8 +309,9 @@ class FidelityProbe:
 
 async def replay_heldout(client: Any, cfg: SimulatorConfig, tokenizer: Any, train_trajs: list, held_trajs: list,
                          embedder: Any, max_steps: int = 0, concurrency: int = 16,
-                         variants: list[str] = ("full",)) -> dict:
-    """Teacher-forced replay of held-out steps through the Mexp behind `client`, in each variant.
+                         variants: list[str] = ("full",), progress: bool = False) -> dict:
+    """Teacher-forced replay of held-out steps through the Mexp behind `client`, in each variant
+    (`progress`: a log line at each tenth of a variant's steps).
 
     Retrieval draws from a fresh buffer of the TRAIN trajectories only, so no held-out
     episode grounds its own replay. `max_steps` takes an even spread of the held-out steps,
@@ -299,8 +324,9 @@ async def replay_heldout(client: Any, cfg: SimulatorConfig, tokenizer: Any, trai
             for name in variants:
                 vcfg = replace(cfg, **VARIANTS[name])
                 examples = even_spread(build_examples(held_trajs, tokenizer, vcfg, buffer), max_steps)
-                t0 = time.monotonic()
-                records = await replay(ExperienceModel(client, buffer, vcfg, tokenizer), examples, concurrency)
+                t0, report = time.monotonic(), log_tenths(f"fidelity ({name})") if progress else None
+                records = await replay(ExperienceModel(client, buffer, vcfg, tokenizer), examples, concurrency,
+                                       report)
                 summary = summarize(records)
                 summary["seconds"] = time.monotonic() - t0
                 results[name] = {"summary": summary, "records": records, "examples": examples}
@@ -326,7 +352,7 @@ async def measure(cfg: SimulatorConfig, checkpoint: str, train_trajs: list, held
         # A long timeout: on a shared CPU a batch of long replies can take minutes, and a retry redoes it.
         async with EngineClient([engine.url], timeout_s=3600.0, max_retries=0, api_key=e.api_key) as client:
             results = await replay_heldout(client, cfg, tokenizer, train_trajs, held_trajs, embedder, max_steps,
-                                           max_batch_size, variants)
+                                           max_batch_size, variants, progress=True)
             if judge_url:
                 async with EngineClient([judge_url], role="judge") as jc:
                     for r in results.values():

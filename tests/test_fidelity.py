@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -12,8 +13,8 @@ import pytest
 from infra.config import SimulatorConfig
 from infra.schema import Step, Task, Trajectory
 from infra import metrics
-from simulator.fidelity import (FidelityProbe, even_spread, item_recall, item_tv_distance, judge, judge_scores, replay,
-                                summarize, token_f1)
+from simulator.fidelity import (FidelityProbe, even_spread, item_recall, item_tv_distance, judge, judge_scores,
+                                log_tenths, replay, summarize, token_f1)
 from simulator.mexp_data import build_examples
 
 REAL = "Goal: g\nRoom: Hall.\nActions:\n[1] go north\n[2] open door\n[3] take key"
@@ -126,13 +127,25 @@ async def test_replay_is_teacher_forced():
     examples = build_examples([traj], tok, SimulatorConfig(retrieval=False), None)
     client = ScriptedClient(["moved</think><state>\nRoom: North.\nActions:\n[1] go south\n</state>"
                              "<reward>0</reward><done>false", "junk"])
+    calls = []
     records = await replay(ExperienceModel(client, None, SimulatorConfig(retrieval=False, parse_retries=0), tok),
-                           examples, concurrency=1)
+                           examples, concurrency=1, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 2), (2, 2)]  # as each reply comes back, the rejected one too
     assert records[0]["parsed"] and records[0]["item_recall"] == 1.0 and records[0]["token_f1"] == 1.0
     assert not records[1]["parsed"] and records[1]["true_done"] is True
     assert "Previous actions: go north" in client.prompts[1]  # the real history, not Mexp's
     assert "Room: North." in client.prompts[1]  # the real state, teacher-forced
     assert records[0]["item_tv"] == 0.0 and records[1]["item_tv"] == 1.0
+
+
+def test_replay_progress_logs_each_tenth(caplog):
+    report = log_tenths("fidelity (full)")
+    with caplog.at_level(logging.INFO, logger="simulator.fidelity"):
+        for done in range(1, 207):
+            report(done, 206)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 10 and lines[-1].startswith("fidelity (full): 206/206 held-out steps replayed")
+    assert lines[0].startswith("fidelity (full): 21/206")  # the first step past a tenth
 
 
 class _NoEmbedder:
