@@ -20,6 +20,11 @@ environment did:
   so this is the per-sample rate). Rejected steps count as wrong in the accuracies,
   as 0 in the agreement scores and as 1 in the TV distance; ΔR is over parsed steps only.
 
+`--split train` replays the training trajectories instead, the steps the Mexp was
+fine-tuned on (each episode still retrieves only other episodes' transitions): high
+there and low held out is a Mexp that memorised its tasks rather than learned the
+rule (ALFWorld's, collection 57 of docs/experiments.md).
+
 Each checkpoint is measured in three settings: full, without retrieval and without
 reasoning (the paper's ablations, Table 3). With `--judge-url`, an LLM judge scores
 consistency, informativeness and hallucination 1-5 (paper Fig. 4). Decoding is
@@ -395,6 +400,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="Mexp sampling temperature (default: greedy)")
     p.add_argument("--retries", type=int, default=0, help="parse retries per step (default 0: per-sample failure rate)")
     p.add_argument("--judge-url", default="", help="SGLang-compatible endpoint of an LLM judge (optional)")
+    p.add_argument("--split", choices=("heldout", "train"), default="heldout",
+                   help="whose steps to replay: the held-out trajectories (how the Mexp generalises), or the "
+                        "training ones it was fine-tuned on (what it memorised; each episode still retrieves "
+                        "only other episodes' transitions) (default: %(default)s)")
     p.add_argument("--out", default="", help="JSON report path (default: <run_dir>/fidelity.json)")
 
 
@@ -409,15 +418,18 @@ def run(args: argparse.Namespace) -> int:
     family = family_of(args, cfg)
     trajs = load_offline(cfg.infra.data_dir, family)
     train_trajs, held_trajs = split_trajectories(trajs, sim.heldout_frac, cfg.infra.data_dir, family)
-    report: dict[str, Any] = {"heldout_tasks": sorted({t.task_id for t in held_trajs}), "results": {}}
+    replayed = held_trajs if args.split == "heldout" else train_trajs
+    report: dict[str, Any] = {"split": args.split, "heldout_tasks": sorted({t.task_id for t in held_trajs}),
+                              "tasks": sorted({t.task_id for t in replayed}), "results": {}}
     for ck in ckpts:
-        report["results"][ck] = asyncio.run(measure(sim, "" if ck == "base" else ck, train_trajs, held_trajs,
+        report["results"][ck] = asyncio.run(measure(sim, "" if ck == "base" else ck, train_trajs, replayed,
                                                     cfg.infra.data_dir, variants, args.max_steps, args.judge_url,
                                                     cfg.engines.max_batch_size, cfg.engines))
     out = Path(args.out or Path(cfg.infra.run_dir) / "fidelity.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    Console().print(summary_table(report["results"], f"Mexp fidelity on {len(held_trajs)} held-out real trajectories",
+    split = "held-out" if args.split == "heldout" else "training"
+    Console().print(summary_table(report["results"], f"Mexp fidelity on {len(replayed)} {split} real trajectories",
                                   judged=bool(args.judge_url)))
     Console().print(f"report: {out}")
     return 0

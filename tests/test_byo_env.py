@@ -151,6 +151,11 @@ def test_keydoor_through_the_cli_collect_mexp_sft_and_dreamgym_train(tmp_path, t
         "--out", str(tmp_path / "fidelity.json"))  # replays the config's family's held-out steps
     fidelity = json.loads((tmp_path / "fidelity.json").read_text())
     assert fidelity["results"][str(cached.parent)]["full"]["summary"]["steps"] == 4
+    cli("fidelity", *common, "--split", "train", "--variants", "full", "--max-steps", "4", "--checkpoints",
+        str(cached.parent), "--out", str(tmp_path / "fidelity_train.json"))  # what it memorised
+    memorised = json.loads((tmp_path / "fidelity_train.json").read_text())
+    assert memorised["split"] == "train" and memorised["results"][str(cached.parent)]["full"]["summary"]["steps"] == 4
+    assert memorised["tasks"] and not set(memorised["tasks"]) & set(memorised["heldout_tasks"])
 
     out = cli("train", "--name", "kd", *common, *mexp_settings, f"infra.redis_url={redis_url}",
               "actors.env_kind=synthetic", "actors.num_workers=1", "actors.group_size=4", "actors.concurrent_episodes=4",
