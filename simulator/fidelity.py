@@ -181,12 +181,12 @@ async def replay(mexp: Any, examples: list[MexpExample], concurrency: int = 16,
 
 def log_tenths(what: str) -> Callable[[int, int], None]:
     """A `replay` progress callback that logs a line at each tenth of the steps: a CPU replay of long
-    replies takes minutes (ALFWorld's 206 held-out steps about ten)."""
+    replies takes minutes (ALFWorld's 206 held-out steps 25 on 2 cores)."""
     t0 = time.monotonic()
 
     def report(done: int, total: int) -> None:
         if done * 10 // total > (done - 1) * 10 // total:
-            log.info("%s: %d/%d held-out steps replayed (%.0f s)", what, done, total, time.monotonic() - t0)
+            log.info("%s: %d/%d steps replayed (%.0f s)", what, done, total, time.monotonic() - t0)
     return report
 
 

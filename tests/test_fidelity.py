@@ -144,7 +144,7 @@ def test_replay_progress_logs_each_tenth(caplog):
         for done in range(1, 207):
             report(done, 206)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 10 and lines[-1].startswith("fidelity (full): 206/206 held-out steps replayed")
+    assert len(lines) == 10 and lines[-1].startswith("fidelity (full): 206/206 steps replayed")
     assert lines[0].startswith("fidelity (full): 21/206")  # the first step past a tenth
 
 
