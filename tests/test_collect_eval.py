@@ -100,17 +100,25 @@ def test_eval_plays_an_engine_policy_at_the_evaluation_concurrency(tmp_path_fact
     """`dreamgym eval --policy endpoint|checkpoint` plays evaluation.concurrency episodes at once, as the
     driver's held-out evaluation does, so the engine batches them (it used to play one at a time)."""
     import asyncio
+    import contextlib
 
     import actors.evaluate as ev
     from infra.cli import main
 
-    in_flight, most = 0, 0
+    in_flight, most, first = 0, 0, True
+    both = asyncio.Event()
 
     async def chooser(task, state, candidates, history):
-        nonlocal in_flight, most
+        nonlocal in_flight, most, first
         in_flight += 1
         most = max(most, in_flight)
-        await asyncio.sleep(0.05)  # an engine call: the episode yields while it waits
+        if in_flight == 2:
+            both.set()
+        if first:  # an engine call: the episode yields while it waits, long enough for a slow env to start
+            first = False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(both.wait(), 20)
+        await asyncio.sleep(0.01)
         in_flight -= 1
         return candidates[0]
 
