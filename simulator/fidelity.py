@@ -316,7 +316,8 @@ async def replay_heldout(client: Any, cfg: SimulatorConfig, tokenizer: Any, trai
                          embedder: Any, max_steps: int = 0, concurrency: int = 16,
                          variants: list[str] = ("full",), progress: bool = False) -> dict:
     """Teacher-forced replay of held-out steps through the Mexp behind `client`, in each variant
-    (`progress`: a log line at each tenth of a variant's steps).
+    (`progress`: a log line at each tenth of a variant's steps). `held_trajs` are the steps replayed:
+    `dreamgym fidelity --split train` passes the training trajectories here.
 
     Retrieval draws from a fresh buffer of the TRAIN trajectories only, so no held-out
     episode grounds its own replay. `max_steps` takes an even spread of the held-out steps,
